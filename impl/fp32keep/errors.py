@@ -1,0 +1,74 @@
+"""The exceptions fp32keep raises at its boundaries, before it changes anything."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class KeepDeclarationError(ValueError):
+    """A ``_keep_in_fp32_modules``/``_keep_in_fp32_modules_strict`` declaration is unusable."""
+
+
+@dataclass(frozen=True)
+class LayoutProblem:
+    """One tensor FSDP2 cannot shard without breaking the keep contract.
+
+    Attributes:
+        fqn: the fully qualified name of the parameter (or one alias of it).
+        reason: a short machine-readable tag, e.g. ``"root-owned"`` or ``"mixed-unit"``.
+        detail: what is wrong and what to do about it, for people.
+    """
+
+    fqn: str
+    reason: str
+    detail: str
+
+
+class KeepLayoutError(ValueError):
+    """The model's layout cannot keep its FP32 parameters under FSDP2.
+
+    Raised by :func:`fp32keep.apply_fsdp2` after validating the whole layout and before any
+    module is sharded: no module is an ``FSDPModule`` afterwards and no parameter changed.
+    ``problems`` lists every offending tensor with the reason.
+    """
+
+    def __init__(self, problems: Sequence[LayoutProblem], *, model_name: str = "model") -> None:
+        self.problems: tuple[LayoutProblem, ...] = tuple(problems)
+        reasons = sorted({problem.reason for problem in self.problems})
+        lines = [
+            f"FSDP2 cannot keep the FP32 contract of {model_name}: "
+            f"{len(self.problems)} problem(s) ({', '.join(reasons)}); nothing was sharded."
+        ]
+        width = max((len(problem.fqn) for problem in self.problems), default=0)
+        for problem in self.problems:
+            lines.append(f"  {problem.fqn:<{width}}  [{problem.reason}] {problem.detail}")
+        super().__init__("\n".join(lines))
+
+    @property
+    def fqns(self) -> tuple[str, ...]:
+        """The offending tensor names, in the order they were found."""
+        return tuple(problem.fqn for problem in self.problems)
+
+
+class StateDictError(ValueError):
+    """A full state dict does not fit the model; raised on every rank before any tensor moves.
+
+    Attributes:
+        missing: destination keys with no entry in the state dict.
+        unexpected: state-dict keys the model does not have.
+        mismatched: ``(key, reason)`` pairs for entries of the wrong shape, kind or dtype family.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        missing: Sequence[str] = (),
+        unexpected: Sequence[str] = (),
+        mismatched: Sequence[tuple[str, str]] = (),
+    ) -> None:
+        super().__init__(message)
+        self.missing = tuple(missing)
+        self.unexpected = tuple(unexpected)
+        self.mismatched = tuple(mismatched)

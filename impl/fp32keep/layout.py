@@ -1,0 +1,340 @@
+"""Deciding the FSDP2 unit layout that keeps a plan, and every reason it cannot. Pure.
+
+A *unit* is one ``fully_shard`` call: one or more modules whose parameters are all-gathered
+together under one mixed-precision policy. Three kinds exist:
+
+* ``kept``: the topmost modules whose floating parameters are all kept; sharded first, with the
+  caller's policy minus ``param_dtype`` so FSDP2 all-gathers them in their FP32 storage dtype
+  without casting the module's inputs (a ``param_dtype=torch.float32`` unit would turn the
+  module's activation boundary FP32: the known wrong fix);
+* ``standard``: the caller's wrap targets (by default the classes in ``_no_split_modules``);
+* ``root``: the model itself, owning whatever no other unit took.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal, TypeAlias
+
+import torch
+from torch import nn
+
+from fp32keep.errors import KeepLayoutError, LayoutProblem
+from fp32keep.plan import KeepPlan
+from fp32keep.tensors import is_castable_float, iter_owned, join
+
+UnitKind = Literal["kept", "standard", "root"]
+WrapTarget: TypeAlias = type[nn.Module] | str
+WrapSpec: TypeAlias = Iterable[WrapTarget] | Callable[[nn.Module], bool]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One planned ``fully_shard`` call.
+
+    Attributes:
+        kind: ``"kept"``, ``"standard"`` or ``"root"``.
+        module_fqns: the modules sharded together (one, or several for a grouped kept unit).
+        depth: nesting depth of the deepest module, used to shard children before parents.
+    """
+
+    kind: UnitKind
+    module_fqns: tuple[str, ...]
+    depth: int
+
+    @property
+    def label(self) -> str:
+        """A readable name for messages."""
+        names = [fqn or "<root>" for fqn in self.module_fqns]
+        return names[0] if len(names) == 1 else "[" + ", ".join(names) + "]"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The units of a model in sharding order (children before parents, root last).
+
+    Attributes:
+        units: the planned units.
+        owner: for every parameter name (all aliases), the label of the unit that owns it.
+    """
+
+    units: tuple[Unit, ...]
+    owner: dict[str, str]
+
+    def describe(self) -> str:
+        """A readable list of units in sharding order."""
+        return "\n".join(f"{unit.kind:<8} {unit.label}" for unit in self.units)
+
+
+def _has_own_forward(module: nn.Module) -> bool:
+    # Containers (ModuleList, ModuleDict, a bare nn.Module) never run forward, so FSDP2's forward
+    # hooks on them would never all-gather: their callable descendants must be the units.
+    forward = getattr(type(module), "forward", None)
+    return forward is not None and forward is not nn.Module.forward
+
+
+def _float_param_names(model: nn.Module) -> dict[str, list[str]]:
+    """For every module FQN, the floating parameter names (all aliases) in its subtree."""
+    below: dict[str, list[str]] = defaultdict(list)
+    for module_fqn, _, attribute, tensor, is_param in iter_owned(model):
+        if not is_param or not is_castable_float(tensor.dtype):
+            continue
+        name = join(module_fqn, attribute)
+        parts = module_fqn.split(".") if module_fqn else []
+        for cut in range(len(parts) + 1):
+            below[".".join(parts[:cut])].append(name)
+    return below
+
+
+def _kept_modules(model: nn.Module, plan: KeepPlan, below: dict[str, list[str]]) -> list[str]:
+    kept: list[str] = []
+
+    def fully_kept(fqn: str) -> bool:
+        names = below.get(fqn, [])
+        return bool(names) and all(name in plan.param_names for name in names)
+
+    def callable_descendants(fqn: str, module: nn.Module) -> list[str]:
+        if _has_own_forward(module):
+            return [fqn]
+        found: list[str] = []
+        for child_name, child in module.named_children():
+            child_fqn = join(fqn, child_name)
+            if below.get(child_fqn):
+                found.extend(callable_descendants(child_fqn, child))
+        return found
+
+    def visit(fqn: str, module: nn.Module) -> None:
+        if fully_kept(fqn):
+            kept.extend(callable_descendants(fqn, module))
+            return
+        for child_name, child in module.named_children():
+            visit(join(fqn, child_name), child)
+
+    if plan.param_names:
+        visit("", model)
+    return kept
+
+
+def default_wrap_classes(model: nn.Module) -> frozenset[str]:
+    """Class names from every ``_no_split_modules`` declaration in the model."""
+    names: set[str] = set()
+    for module in model.modules():
+        declared = getattr(module, "_no_split_modules", None)
+        if declared:
+            names.update(str(name) for name in declared)
+    return frozenset(names)
+
+
+def _wrap_predicate(model: nn.Module, wrap: WrapSpec | None) -> Callable[[nn.Module], bool]:
+    if wrap is None:
+        classes = default_wrap_classes(model)
+        return lambda module: type(module).__name__ in classes
+    if isinstance(wrap, type):
+        wrap = [wrap]
+    if callable(wrap):
+        return wrap
+    targets = list(wrap)
+    types = tuple(t for t in targets if isinstance(t, type))
+    names = {t for t in targets if isinstance(t, str)}
+    bad = [t for t in targets if not isinstance(t, (type, str))]
+    if bad:
+        raise TypeError(
+            f"wrap must hold module classes or class names, got {bad!r}; pass a predicate "
+            "callable(module) -> bool for anything else"
+        )
+    present = {type(module).__name__ for module in model.modules()}
+    missing = sorted(name for name in names if name not in present)
+    if missing:
+        raise ValueError(
+            f"wrap names class(es) {missing} but {type(model).__name__} has no such module; "
+            f"module classes present include {sorted(present)[:12]}"
+        )
+
+    def predicate(module: nn.Module) -> bool:
+        return isinstance(module, types) or type(module).__name__ in names
+
+    return predicate
+
+
+def _depth(fqn: str) -> int:
+    return fqn.count(".") + 1 if fqn else 0
+
+
+def _innermost(unit_of_module: dict[str, int], module_fqn: str) -> int:
+    parts = module_fqn.split(".") if module_fqn else []
+    for cut in range(len(parts), -1, -1):
+        found = unit_of_module.get(".".join(parts[:cut]))
+        if found is not None:
+            return found
+    raise AssertionError("the root unit covers every module")  # pragma: no cover
+
+
+def plan_layout(
+    model: nn.Module,
+    plan: KeepPlan,
+    *,
+    wrap: WrapSpec | None = None,
+    group_kept: bool = False,
+) -> Layout:
+    """Decide the units that keep ``plan`` under FSDP2, or raise with every reason it cannot.
+
+    Args:
+        model: the unsharded model, already cast (kept tensors FP32).
+        plan: the keep plan.
+        wrap: standard targets: module classes, class names, or a predicate; default: the
+            classes named by the model's ``_no_split_modules``.
+        group_kept: shard the kept modules that share one standard unit together (one
+            all-gather per block instead of one per kept module).
+
+    Raises:
+        KeepLayoutError: naming every offending parameter and the reason.
+    """
+    below = _float_param_names(model)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    kept = _kept_modules(model, plan, below)
+    inside_kept = tuple(kept)
+
+    def under_kept(fqn: str) -> bool:
+        return any(fqn == k or fqn.startswith(k + ".") or k == "" for k in inside_kept)
+
+    is_target = _wrap_predicate(model, wrap)
+    standard = [
+        fqn for fqn, module in modules.items() if fqn and not under_kept(fqn) and is_target(module)
+    ]
+    units: list[Unit] = []
+    unit_of_module: dict[str, int] = {}
+
+    def add(kind: UnitKind, fqns: Sequence[str]) -> None:
+        for fqn in fqns:
+            unit_of_module[fqn] = len(units)
+        units.append(Unit(kind, tuple(fqns), max(_depth(fqn) for fqn in fqns)))
+
+    for fqn in standard:
+        add("standard", [fqn])
+    if "" not in kept:
+        add("root", [""])
+    if group_kept:
+        groups: dict[int, list[str]] = defaultdict(list)
+        for fqn in kept:
+            groups[_innermost(unit_of_module, fqn)].append(fqn)
+        for fqns in groups.values():
+            add("kept", fqns)
+    else:
+        for fqn in kept:
+            add("kept", [fqn])
+
+    owner, problems = _assign_and_validate(model, plan, units, unit_of_module)
+    if problems:
+        raise KeepLayoutError(problems, model_name=type(model).__name__)
+    # Children before parents: fully_shard claims the parameters not yet claimed below it.
+    ordered = sorted(units, key=lambda unit: (-unit.depth, unit.kind != "kept"))
+    return Layout(tuple(ordered), owner)
+
+
+def _assign_and_validate(
+    model: nn.Module,
+    plan: KeepPlan,
+    units: list[Unit],
+    unit_of_module: dict[str, int],
+) -> tuple[dict[str, str], list[LayoutProblem]]:
+    problems: list[LayoutProblem] = []
+    unit_of_param: dict[int, set[int]] = defaultdict(set)
+    names_of_param: dict[int, list[str]] = defaultdict(list)
+    params: dict[int, nn.Parameter] = {}
+    for module_fqn, _, attribute, tensor, is_param in iter_owned(model):
+        if not is_param or not is_castable_float(tensor.dtype):
+            continue
+        key = id(tensor)
+        params[key] = tensor  # type: ignore[assignment]
+        names_of_param[key].append(join(module_fqn, attribute))
+        unit_of_param[key].add(_innermost(unit_of_module, module_fqn))
+
+    owner: dict[str, str] = {}
+    members: dict[int, list[int]] = defaultdict(list)
+    flagged: set[int] = set()
+    for key, unit_indices in unit_of_param.items():
+        names = names_of_param[key]
+        kept = any(name in plan.param_names for name in names)
+        first = names[0]
+        if len(unit_indices) > 1:
+            labels = sorted(units[index].label for index in unit_indices)
+            problems.append(
+                LayoutProblem(
+                    first,
+                    "tied-across-units",
+                    f"its tied names {names} fall in different FSDP units {labels}; FSDP2 "
+                    "manages a parameter in one unit only. Wrap a common ancestor of all its "
+                    "owners as one unit (wrap=...), or untie the weights.",
+                )
+            )
+            continue
+        index = next(iter(unit_indices))
+        unit = units[index]
+        for name in names:
+            owner[name] = unit.label
+        members[index].append(key)
+        if not kept:
+            continue
+        count_before = len(problems)
+        dtype = params[key].dtype
+        if dtype != torch.float32:
+            problems.append(
+                LayoutProblem(
+                    first,
+                    "degraded",
+                    f"is kept by the plan but stored as {dtype} before wrapping; cast with "
+                    "fp32keep.keep_aware_cast(model, dtype) instead of model.to(dtype), or load "
+                    "the checkpoint again.",
+                )
+            )
+        if unit.kind == "root":
+            problems.append(
+                LayoutProblem(
+                    first,
+                    "root-owned",
+                    f"is kept but owned directly by the root module ({plan.model_name}), whose "
+                    "unit also holds low-precision parameters and is all-gathered in the "
+                    "policy's param_dtype. FSDP2 cannot give it a unit of its own; move it "
+                    "into a submodule, or train without a low-precision param_dtype.",
+                )
+            )
+        elif unit.kind == "standard":
+            problems.append(
+                LayoutProblem(
+                    first,
+                    "mixed-unit",
+                    f"is kept but would share unit {unit.label!r} with low-precision "
+                    "parameters, which FSDP2 all-gathers in the policy's param_dtype. Its owning "
+                    "module also owns parameters that are not kept, so it cannot be a unit of "
+                    "its own; declare the whole module kept, or split the parameter into a "
+                    "module of its own.",
+                )
+            )
+        if len(problems) > count_before:
+            flagged.add(key)
+
+    for index, keys in members.items():
+        trainable = [key for key in keys if params[key].requires_grad]
+        dtypes = Counter(params[key].dtype for key in trainable)
+        if len(dtypes) < 2:
+            continue
+        majority = dtypes.most_common(1)[0][0]
+        found = ", ".join(f"{count} {dtype}" for dtype, count in dtypes.most_common())
+        for key in trainable:
+            if params[key].dtype == majority or key in flagged:
+                continue
+            problems.append(
+                LayoutProblem(
+                    names_of_param[key][0],
+                    "mixed-dtype-unit",
+                    f"is stored as {params[key].dtype} in unit {units[index].label!r}, which "
+                    f"holds trainable parameters of several dtypes ({found}); FSDP2 would fail "
+                    "on the first forward with 'FSDP expects uniform original parameter dtype'. "
+                    "Store FP32 master weights with fp32keep.upcast_to_fp32_master(model), or "
+                    "declare the FP32 modules in _keep_in_fp32_modules(_strict) so they get "
+                    "units of their own.",
+                )
+            )
+    return owner, problems

@@ -1,0 +1,109 @@
+"""Tensor naming and classification shared by the plan, the cast, the wrapper and the loader."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# Packed low-bit floats hold quantized weights: casting them would destroy the values, and
+# Transformers leaves float8_e4m3fn alone when it casts a checkpoint. They are never kept or cast.
+_PACKED_FLOAT_DTYPES = frozenset(
+    getattr(torch, name)
+    for name in (
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "float4_e2m1fn_x2",
+    )
+    if hasattr(torch, name)
+)
+
+
+def is_castable_float(dtype: torch.dtype) -> bool:
+    """True for the floating dtypes a precision cast may change (fp16, bf16, fp32, fp64)."""
+    return dtype.is_floating_point and dtype not in _PACKED_FLOAT_DTYPES
+
+
+def check_float_dtype(dtype: object, *, what: str) -> torch.dtype:
+    """Return ``dtype`` if it is a castable floating torch dtype, else raise a clear error."""
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{what} must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
+    if not is_castable_float(dtype):
+        raise ValueError(
+            f"{what} must be a floating dtype (torch.float16, torch.bfloat16 or torch.float32), "
+            f"got {dtype}"
+        )
+    return dtype
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """One registered parameter or buffer, under every name it is reachable by.
+
+    Attributes:
+        names: every fully qualified name of the tensor (tied aliases), in module order.
+        tensor: the tensor itself.
+        is_param: parameter (True) or buffer (False).
+        persistent: for buffers, whether any alias is saved in the state dict.
+    """
+
+    names: tuple[str, ...]
+    tensor: torch.Tensor
+    is_param: bool
+    persistent: bool = True
+
+    @property
+    def name(self) -> str:
+        """The first name, the one ``named_parameters()`` reports."""
+        return self.names[0]
+
+
+def _split(fqn: str) -> tuple[str, str]:
+    owner, _, leaf = fqn.rpartition(".")
+    return owner, leaf
+
+
+def tensor_slots(model: nn.Module) -> list[TensorSlot]:
+    """Every parameter and buffer of ``model``, tied aliases grouped into one slot."""
+    names: dict[int, list[str]] = defaultdict(list)
+    tensors: dict[int, torch.Tensor] = {}
+    kinds: dict[int, bool] = {}
+    persistent: dict[int, bool] = defaultdict(bool)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        names[id(param)].append(fqn)
+        tensors[id(param)] = param
+        kinds[id(param)] = True
+    for fqn, buffer in model.named_buffers(remove_duplicate=False):
+        names[id(buffer)].append(fqn)
+        tensors[id(buffer)] = buffer
+        kinds[id(buffer)] = False
+        owner, leaf = _split(fqn)
+        if leaf not in modules[owner]._non_persistent_buffers_set:
+            persistent[id(buffer)] = True
+    return [
+        TensorSlot(tuple(names[key]), tensors[key], kinds[key], kinds[key] or persistent[key])
+        for key in names
+    ]
+
+
+def iter_owned(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, torch.Tensor, bool]]:
+    """Yield ``(module_fqn, module, attribute, tensor, is_param)`` for every alias."""
+    for module_fqn, module in model.named_modules(remove_duplicate=False):
+        for attribute, param in module._parameters.items():
+            if param is not None:
+                yield module_fqn, module, attribute, param, True
+        for attribute, buffer in module._buffers.items():
+            if buffer is not None:
+                yield module_fqn, module, attribute, buffer, False
+
+
+def join(prefix: str, name: str) -> str:
+    """Join a module FQN and a child name the way ``named_modules`` does."""
+    return f"{prefix}.{name}" if prefix else name

@@ -1,0 +1,143 @@
+"""Fail-closed FSDP2 wrapping: validate the whole layout, then shard children before parents."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from fp32keep.layout import Layout, WrapSpec, plan_layout
+from fp32keep.plan import KeepPlan, check_plan_fits, resolve_keep_plan
+from fp32keep.tensors import check_float_dtype, is_castable_float
+
+
+def infer_low_precision_dtype(model: nn.Module, mp_policy: MixedPrecisionPolicy) -> torch.dtype:
+    """The dtype a keep plan should be resolved for when none is given.
+
+    The storage dtype when the model's floating parameters are fp16 or bf16; otherwise the
+    policy's ``param_dtype`` (FP32 master weights under a bf16 policy still honour the strict
+    list); ``torch.float32`` when neither is low precision.
+    """
+    low = {
+        param.dtype
+        for param in model.parameters()
+        if param.dtype in (torch.float16, torch.bfloat16)
+    }
+    if len(low) > 1:
+        raise ValueError(
+            f"{type(model).__name__} stores parameters in both float16 and bfloat16; pass "
+            "plan=fp32keep.resolve_keep_plan(model, dtype) with the dtype you train in"
+        )
+    if low:
+        return low.pop()
+    if mp_policy.param_dtype is not None and is_castable_float(mp_policy.param_dtype):
+        return mp_policy.param_dtype
+    return torch.float32
+
+
+def _check_callable_state(model: nn.Module, mesh: DeviceMesh, mp_policy: object) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "apply_fsdp2 needs an initialised process group: call "
+            "torch.distributed.init_process_group(...) (or launch with torchrun) and build the "
+            "mesh with torch.distributed.device_mesh.init_device_mesh first"
+        )
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {mesh!r}")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            "mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got "
+            f"{type(mp_policy).__name__}"
+        )
+    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+        value = getattr(mp_policy, field)
+        if value is not None:
+            check_float_dtype(value, what=f"mp_policy.{field}")
+    sharded = [
+        fqn or "<root>" for fqn, module in model.named_modules() if isinstance(module, FSDPModule)
+    ]
+    if sharded:
+        raise ValueError(
+            f"{type(model).__name__} is already sharded: {sharded[:5]} "
+            f"{'…' if len(sharded) > 5 else ''}is an FSDPModule. Call apply_fsdp2 once, on an "
+            "unsharded model."
+        )
+
+
+def apply_fsdp2(
+    model: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    plan: KeepPlan | None = None,
+    wrap: WrapSpec | None = None,
+    reshard_after_forward: bool | int | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    group_kept: bool = False,
+) -> nn.Module:
+    """Shard ``model`` with FSDP2 so that the plan's parameters stay FP32, or refuse.
+
+    The whole layout is validated before the first ``fully_shard``; a layout FSDP2 cannot
+    represent raises :class:`fp32keep.KeepLayoutError` naming every offending parameter, and then
+    no module is an ``FSDPModule`` and no parameter changed.
+
+    Units, sharded children before parents:
+
+    * kept units: the topmost modules whose floating parameters are all kept (containers with no
+      forward of their own resolve to their callable descendants), each sharded with
+      ``dataclasses.replace(mp_policy, param_dtype=None)``: all-gathered in FP32, activation
+      inputs not cast, every other field of the caller's policy kept;
+    * standard units: ``wrap`` (module classes, class names or a predicate; default: the classes
+      named by the model's ``_no_split_modules``), minus anything inside a kept unit;
+    * the root, with ``mp_policy``.
+
+    Args:
+        model: the unsharded model, cast keep-aware (:func:`fp32keep.keep_aware_cast`).
+        mesh: the data-parallel device mesh.
+        mp_policy: the caller's mixed-precision policy.
+        plan: the keep plan; resolved with :func:`infer_low_precision_dtype` when omitted.
+        wrap: standard targets, as above.
+        reshard_after_forward: passed to every ``fully_shard`` call when not None.
+        offload_policy: passed to every ``fully_shard`` call when not None.
+        group_kept: shard the kept modules of one standard unit together, one all-gather for all
+            of them (fewer collectives; needs a torch whose grouped ``fully_shard`` finishes
+            groups whose modules did not all run).
+
+    Returns:
+        ``model``, now an ``FSDPModule``.
+    """
+    _check_callable_state(model, mesh, mp_policy)
+    if plan is None:
+        plan = resolve_keep_plan(model, infer_low_precision_dtype(model, mp_policy))
+    else:
+        check_plan_fits(model, plan)
+    layout = plan_layout(model, plan, wrap=wrap, group_kept=group_kept)
+    _shard(model, layout, mesh, mp_policy, reshard_after_forward, offload_policy)
+    return model
+
+
+def _shard(
+    model: nn.Module,
+    layout: Layout,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    reshard_after_forward: bool | int | None,
+    offload_policy: OffloadPolicy | None,
+) -> None:
+    modules = dict(model.named_modules(remove_duplicate=False))
+    kept_policy = dataclasses.replace(mp_policy, param_dtype=None)
+    common: dict[str, Any] = {"mesh": mesh}
+    # Older torch releases reject None for these; pass them only when the caller set them.
+    if reshard_after_forward is not None:
+        common["reshard_after_forward"] = reshard_after_forward
+    if offload_policy is not None:
+        common["offload_policy"] = offload_policy
+    for unit in layout.units:
+        targets = [modules[fqn] for fqn in unit.module_fqns]
+        policy = kept_policy if unit.kind == "kept" else mp_policy
+        fully_shard(targets if len(targets) > 1 else targets[0], mp_policy=policy, **common)
