@@ -15,6 +15,7 @@ from fp32keep.compat import (
     KeepSemantics,
     ListKind,
     installed_semantics,
+    semantics_for,
 )
 from fp32keep.errors import KeepDeclarationError
 from fp32keep.tensors import TensorSlot, check_float_dtype, is_castable_float, tensor_slots
@@ -152,7 +153,9 @@ def _validate_segments(model: nn.Module, kind: ListKind, entries: tuple[str, ...
             )
 
 
-def resolve_keep_plan(model: nn.Module, dtype: torch.dtype) -> KeepPlan:
+def resolve_keep_plan(
+    model: nn.Module, dtype: torch.dtype, *, transformers_version: str | None = None
+) -> KeepPlan:
     """Decide which floating tensors of ``model`` stay in FP32 when it runs in ``dtype``.
 
     Applies the installed Transformers version's own rules (dtype gates, match rule, entry
@@ -165,6 +168,8 @@ def resolve_keep_plan(model: nn.Module, dtype: torch.dtype) -> KeepPlan:
         dtype: the low-precision dtype in play: the storage dtype when it is fp16/bf16, otherwise
             the mixed-precision ``param_dtype`` (so FP32 master weights under a bf16 policy still
             honour the strict list). ``torch.float32`` keeps nothing.
+        transformers_version: resolve as this Transformers release would (for example to see
+            what an upgrade changes); default: the installed release.
 
     Only floating tensors are kept (integer buffers are never touched, unlike 5.x loading, which
     casts matched integer buffers to fp32). A tied tensor is kept when any of its names matches,
@@ -175,7 +180,11 @@ def resolve_keep_plan(model: nn.Module, dtype: torch.dtype) -> KeepPlan:
         TypeError / ValueError: ``dtype`` is not a floating torch dtype.
     """
     check_float_dtype(dtype, what="dtype")
-    semantics = installed_semantics()
+    semantics = (
+        installed_semantics()
+        if transformers_version is None
+        else semantics_for(transformers_version)
+    )
     regular: list[str] = []
     strict: list[str] = []
     for kind, entries in _declared_entries(model, semantics):

@@ -1,0 +1,477 @@
+"""Two-rank scenarios for the core library: wrapping, the seed reproducers, and loading.
+
+Each ``scenario_*`` runs in every rank with a 1-D gloo mesh; ``tests/dist/test_core_2rank.py``
+turns each into one pytest test.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+import fp32keep
+from fp32keep import KeepLayoutError, StateDictError
+from tests.core.toys import Stack, stack_class
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+SEMANTICS = "5.10.4"  # toy declarations use 5.x glob entries; see tests/core/test_layout.py
+BF16_POLICY = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32)
+
+
+def rank() -> int:
+    return dist.get_rank()
+
+
+def batch(vocab: int = 16) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 6), generator=torch.Generator().manual_seed(7))
+
+
+def kept_stack(strict: list[str], dtype: torch.dtype = BF16) -> tuple[nn.Module, fp32keep.KeepPlan]:
+    torch.manual_seed(0)
+    model = stack_class(strict=strict)()
+    plan = fp32keep.resolve_keep_plan(model, dtype, transformers_version=SEMANTICS)
+    fp32keep.keep_aware_cast(model, dtype, plan=plan)
+    return model, plan
+
+
+def record_weight_dtypes(module: nn.Module) -> list[torch.dtype]:
+    """Weight dtype at forward time, i.e. what FSDP2 all-gathered (its hook runs first)."""
+    seen: list[torch.dtype] = []
+    module.register_forward_pre_hook(lambda m, args: seen.append(m.weight.dtype))
+    return seen
+
+
+def record_input_dtypes(module: nn.Module) -> list[torch.dtype]:
+    seen: list[torch.dtype] = []
+    module.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    return seen
+
+
+def fsdp_modules(model: nn.Module) -> list[str]:
+    return [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+
+
+def snapshot(model: nn.Module) -> dict[str, tuple[int, torch.dtype, torch.Tensor]]:
+    return {
+        name: (id(param), param.dtype, param.detach().clone())
+        for name, param in model.named_parameters()
+    }
+
+
+def assert_unchanged(
+    model: nn.Module, before: dict[str, tuple[int, torch.dtype, torch.Tensor]]
+) -> None:
+    assert fsdp_modules(model) == []
+    after = snapshot(model)
+    assert after.keys() == before.keys()
+    for name, (identity, dtype, value) in before.items():
+        assert after[name][0] == identity, name
+        assert after[name][1] == dtype, name
+        assert torch.equal(after[name][2], value), name
+
+
+# --- the seed reproducers ------------------------------------------------------------------
+
+
+def forced_fp32_norms() -> nn.Module:
+    """accelerate's reproducer: a bf16 model whose norms were forced to FP32, nothing declared."""
+    torch.manual_seed(0)
+    model = Stack().to(BF16)
+    for name, module in model.named_modules():
+        if "norm" in name.lower():
+            module.to(FP32)
+    return model
+
+
+def scenario_reproducer_mixed_dtype_unit_crashes_plain_fsdp2(mesh: DeviceMesh) -> None:
+    model = forced_fp32_norms()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=BF16_POLICY)
+    fully_shard(model, mesh=mesh, mp_policy=BF16_POLICY)
+    with pytest.raises(AssertionError, match="FSDP expects uniform original parameter dtype"):
+        model(batch())
+
+
+def scenario_reproducer_mixed_dtype_unit_refused_then_trains_with_fp32_master(
+    mesh: DeviceMesh,
+) -> None:
+    model = forced_fp32_norms()
+    before = snapshot(model)
+    with pytest.raises(KeepLayoutError, match="uniform original parameter dtype") as error:
+        fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=BF16_POLICY)
+    assert "layers.0.input_layernorm.weight" in error.value.fqns
+    assert_unchanged(model, before)
+
+    fp32keep.upcast_to_fp32_master(model)
+    fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=BF16_POLICY)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        logits = model(batch())
+        assert logits.dtype == BF16
+        loss = logits.float().logsumexp(-1).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert torch.isfinite(loss)
+
+
+def fp32_master_stack() -> nn.Module:
+    """FP32 master weights, a bf16 policy, ``wo`` declared strict: the verl/accelerate setting."""
+    torch.manual_seed(0)
+    return stack_class(strict=["wo"])()
+
+
+def scenario_reproducer_kept_module_all_gathered_in_bf16_by_plain_fsdp2(mesh: DeviceMesh) -> None:
+    model = fp32_master_stack()
+    seen = record_weight_dtypes(model.layers[0].wo)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=BF16_POLICY)
+    fully_shard(model, mesh=mesh, mp_policy=BF16_POLICY)
+    model(batch())
+    assert model.layers[0].wo.weight.to_local().dtype == FP32  # storage is right...
+    assert seen == [BF16]  # ...but the all-gather degraded it: the silent bug
+
+
+def scenario_reproducer_kept_unit_with_callers_policy_all_gathers_bf16(mesh: DeviceMesh) -> None:
+    # Transformers 5.24's own FSDP2 path: kept modules get units, but with the bf16 policy.
+    model, _ = kept_stack(["wo"])
+    seen = record_weight_dtypes(model.layers[0].wo)
+    for layer in model.layers:
+        fully_shard(layer.wo, mesh=mesh, mp_policy=BF16_POLICY)
+        fully_shard(layer, mesh=mesh, mp_policy=BF16_POLICY)
+    fully_shard(model, mesh=mesh, mp_policy=BF16_POLICY)
+    model(batch())
+    assert seen == [BF16]
+
+
+def scenario_fp32_master_weights_keep_the_strict_list_under_a_bf16_policy(mesh: DeviceMesh) -> None:
+    model = fp32_master_stack()
+    seen = record_weight_dtypes(model.layers[0].wo)
+    attn = record_weight_dtypes(model.layers[0].attn)
+    # no plan given: resolved for the policy's param_dtype, since storage is FP32
+    fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=BF16_POLICY)
+    model(batch())
+    assert seen == [FP32]
+    assert attn == [BF16]  # tensors the plan does not keep get exactly plain FSDP2
+
+
+def scenario_kept_module_all_gathered_in_fp32_by_apply_fsdp2(mesh: DeviceMesh) -> None:
+    model, plan = kept_stack(["wo"])
+    seen = record_weight_dtypes(model.layers[0].wo)
+    fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=BF16_POLICY, plan=plan)
+    assert "layers.0.wo" in fsdp_modules(model)
+    model(batch())
+    assert model.layers[0].wo.weight.to_local().dtype == FP32
+    assert seen == [FP32]
+
+
+def scenario_kept_unit_keeps_the_activation_boundary(mesh: DeviceMesh) -> None:
+    model, plan = kept_stack(["wo"])
+    fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=BF16_POLICY, plan=plan)
+    inputs = record_input_dtypes(model.layers[0].wo)
+    model(batch())
+    assert inputs == [FP32]  # the block casts to the weight dtype itself, as T5 does
+
+    # A module that does not cast: its input must stay what the caller sends (bf16).
+    model, plan = kept_stack(["mlp"])
+    fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=BF16_POLICY, plan=plan)
+    inputs = record_input_dtypes(model.layers[0].mlp)
+    with torch.autocast("cpu", dtype=BF16):
+        model(batch())
+    assert inputs == [BF16]
+
+
+def scenario_negative_control_fp32_param_dtype_changes_the_boundary(mesh: DeviceMesh) -> None:
+    # The known wrong fix: a kept unit with param_dtype=torch.float32 casts its inputs to FP32.
+    model, _ = kept_stack(["mlp"])
+    for layer in model.layers:
+        fully_shard(layer.mlp, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=FP32))
+        fully_shard(layer, mesh=mesh, mp_policy=BF16_POLICY)
+    fully_shard(model, mesh=mesh, mp_policy=BF16_POLICY)
+    inputs = record_input_dtypes(model.layers[0].mlp)
+    with torch.autocast("cpu", dtype=BF16):
+        model(batch())
+    assert inputs == [FP32]
+
+
+def scenario_logits_loss_and_grads_match_unsharded_reference(mesh: DeviceMesh) -> None:
+    model, plan = kept_stack(["wo", "norm"])
+    reference = copy.deepcopy(model)
+    policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32, cast_forward_inputs=False)
+    fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=policy, plan=plan)
+    ids = batch()
+    for net in (model, reference):
+        logits = net(ids)
+        net.loss = logits.float().logsumexp(-1).mean()  # type: ignore[assignment]
+        net.loss.backward()  # type: ignore[operator]
+        net.logits = logits  # type: ignore[assignment]
+    assert torch.equal(model.logits, reference.logits)  # type: ignore[arg-type]
+    assert torch.equal(model.loss, reference.loss)  # type: ignore[arg-type]
+    for (name, param), (_, ref_param) in zip(
+        model.named_parameters(), reference.named_parameters(), strict=True
+    ):
+        assert param.grad is not None and ref_param.grad is not None, name
+        assert param.grad.dtype == ref_param.grad.dtype, name
+        assert torch.equal(param.grad.full_tensor(), ref_param.grad), name
+
+
+# --- apply_fsdp2 refusals --------------------------------------------------------------------
+
+
+def scenario_layout_error_leaves_model_untouched(mesh: DeviceMesh) -> None:
+    model, plan = kept_stack(["time_decay"])
+    for layer in model.layers:
+        layer.attn.register_parameter("time_decay", nn.Parameter(torch.randn(8)))
+    plan = fp32keep.resolve_keep_plan(model, BF16, transformers_version=SEMANTICS)
+    before = snapshot(model)
+    with pytest.raises(KeepLayoutError) as error:
+        fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=BF16_POLICY, plan=plan)
+    assert set(error.value.fqns) == {"layers.0.attn.time_decay", "layers.1.attn.time_decay"}
+    assert_unchanged(model, before)
+
+
+def scenario_apply_twice_is_refused(mesh: DeviceMesh) -> None:
+    model, plan = kept_stack(["wo"])
+    fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=BF16_POLICY, plan=plan)
+    with pytest.raises(ValueError, match="already sharded"):
+        fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=BF16_POLICY, plan=plan)
+
+
+def scenario_bad_policy_dtype_is_refused(mesh: DeviceMesh) -> None:
+    model, plan = kept_stack(["wo"])
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"mp_policy\.param_dtype must be a floating dtype"):
+        fp32keep.apply_fsdp2(
+            model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8), plan=plan
+        )
+    assert_unchanged(model, before)
+
+
+def scenario_grouped_kept_units_keep_the_contract(mesh: DeviceMesh) -> None:
+    model, plan = kept_stack(["norm"])
+    seen = record_weight_dtypes(model.layers[0].post_attention_layernorm)
+    fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=BF16_POLICY, plan=plan, group_kept=True)
+    model(batch()).float().sum().backward()
+    assert seen == [FP32]
+
+
+# --- load_full_state_dict ---------------------------------------------------------------------
+
+
+def fresh_full_state() -> OrderedDict[str, torch.Tensor]:
+    torch.manual_seed(123)
+    return stack_class(strict=["wo"])().state_dict()
+
+
+def sharded_kept_stack(mesh: DeviceMesh, **apply: object) -> nn.Module:
+    model, plan = kept_stack(["wo"])
+    fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=BF16_POLICY, plan=plan, **apply)  # type: ignore[arg-type]
+    return model
+
+
+def expected_after_load(
+    model: nn.Module, source: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    dtypes = {name: t.dtype for name, t in model.state_dict().items()}
+    return {name: source[name].to(dtypes[name]) for name in dtypes}
+
+
+def assert_loaded(model: nn.Module, source: dict[str, torch.Tensor]) -> None:
+    full = fp32keep.gather_full_state_dict(model)
+    expected = expected_after_load(model, source)
+    assert full.keys() == expected.keys()
+    for name, value in expected.items():
+        assert full[name].dtype == value.dtype, name
+        assert torch.equal(full[name], value), name
+
+
+def scenario_load_destination_dtype_wins_and_caller_dict_untouched(mesh: DeviceMesh) -> None:
+    model = sharded_kept_stack(mesh)
+    source = fresh_full_state()
+    # a bf16 checkpoint: kept tensors arrive bf16 and must land FP32 (upcast values)
+    checkpoint = OrderedDict((k, v.to(BF16)) for k, v in source.items())
+    checkpoint._metadata = {"": {"version": 1}}  # type: ignore[attr-defined]
+    identity = {k: id(v) for k, v in checkpoint.items()}
+    result = fp32keep.load_full_state_dict(model, checkpoint if rank() == 0 else None)
+    assert result == fp32keep.LoadResult()
+    assert model.layers[0].wo.weight.to_local().dtype == FP32
+    assert_loaded(model, dict(checkpoint))
+    # the caller's mapping: same keys, same tensor objects, same dtypes, metadata intact
+    assert {k: id(v) for k, v in checkpoint.items()} == identity
+    assert {v.dtype for v in checkpoint.values()} == {BF16}
+    assert checkpoint._metadata == {"": {"version": 1}}  # type: ignore[attr-defined]
+
+
+def scenario_load_ties_survive_and_one_alias_suffices(mesh: DeviceMesh) -> None:
+    torch.manual_seed(0)
+    model = stack_class(strict=["wo"])()
+    model.head.weight = model.embed.weight
+    plan = fp32keep.resolve_keep_plan(model, BF16, transformers_version=SEMANTICS)
+    fp32keep.keep_aware_cast(model, BF16, plan=plan)
+    fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=BF16_POLICY, plan=plan)
+    source = fresh_full_state()
+    deduplicated = {k: v for k, v in source.items() if k != "head.weight"}  # as safetensors saves
+    fp32keep.load_full_state_dict(model, deduplicated if rank() == 0 else None)
+    assert model.head.weight is model.embed.weight
+    full = fp32keep.gather_full_state_dict(model)
+    assert torch.equal(full["head.weight"], source["embed.weight"].to(BF16))
+
+
+def scenario_load_small_buckets_is_exact(mesh: DeviceMesh) -> None:
+    model = sharded_kept_stack(mesh)
+    source = fresh_full_state()
+    fp32keep.load_full_state_dict(model, source if rank() == 0 else None, bucket_bytes=40)
+    assert_loaded(model, source)
+
+
+def scenario_load_from_rank_1(mesh: DeviceMesh) -> None:
+    model = sharded_kept_stack(mesh)
+    source = fresh_full_state()
+    fp32keep.load_full_state_dict(model, source if rank() == 1 else None, src_rank=1)
+    assert_loaded(model, source)
+
+
+def scenario_load_into_meta_model(mesh: DeviceMesh) -> None:
+    with torch.device("meta"):
+        model = stack_class(strict=["wo"])()
+    plan = fp32keep.resolve_keep_plan(model, BF16, transformers_version=SEMANTICS)
+    fp32keep.keep_aware_cast(model, BF16, plan=plan)
+    fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=BF16_POLICY, plan=plan)
+    source = fresh_full_state()
+    fp32keep.load_full_state_dict(model, source if rank() == 0 else None)
+    assert not any(p.is_meta for p in model.parameters())
+    assert_loaded(model, source)
+    model(batch()).float().sum().backward()
+
+
+def scenario_load_with_cpu_offload(mesh: DeviceMesh) -> None:
+    model = sharded_kept_stack(mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    source = fresh_full_state()
+    fp32keep.load_full_state_dict(model, source if rank() == 0 else None, cpu_offload=True)
+    assert all(p.to_local().device.type == "cpu" for p in model.parameters())
+    assert_loaded(model, source)
+    model(batch()).float().sum().backward()
+
+
+def _every_rank_raises(
+    mesh: DeviceMesh, mutate: Callable[[dict[str, object]], None], match: str
+) -> StateDictError:
+    model = sharded_kept_stack(mesh)
+    before = fp32keep.gather_full_state_dict(model)
+    source: dict[str, object] = dict(fresh_full_state())
+    mutate(source)
+    with pytest.raises(StateDictError, match=match) as error:
+        fp32keep.load_full_state_dict(model, source if rank() == 0 else None)
+    messages: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, str(error.value))
+    assert len(set(messages)) == 1, messages  # the same error on every rank
+    after = fp32keep.gather_full_state_dict(model)
+    assert all(torch.equal(after[k], before[k]) for k in before)  # nothing loaded
+    return error.value
+
+
+def scenario_load_missing_key(mesh: DeviceMesh) -> None:
+    error = _every_rank_raises(mesh, lambda sd: sd.pop("layers.1.wo.weight"), "missing keys")
+    assert error.missing == ("layers.1.wo.weight",)
+
+
+def scenario_load_unexpected_key(mesh: DeviceMesh) -> None:
+    error = _every_rank_raises(
+        mesh, lambda sd: sd.__setitem__("layers.9.wo.weight", torch.zeros(2)), "unexpected keys"
+    )
+    assert error.unexpected == ("layers.9.wo.weight",)
+
+
+def scenario_load_shape_mismatch(mesh: DeviceMesh) -> None:
+    error = _every_rank_raises(
+        mesh,
+        lambda sd: sd.__setitem__("layers.0.wo.weight", torch.zeros(3, 8)),
+        r"has shape \(3, 8\)",
+    )
+    assert error.mismatched[0][0] == "layers.0.wo.weight"
+
+
+def scenario_load_non_tensor_meta_and_integer_entries(mesh: DeviceMesh) -> None:
+    def mutate(sd: dict[str, object]) -> None:
+        sd["layers.0.wo.weight"] = [[0.0] * 8] * 8
+        sd["layers.0.attn.weight"] = torch.empty(8, 8, device="meta")
+        sd["layers.0.attn.bias"] = torch.zeros(8, dtype=torch.int64)
+
+    error = _every_rank_raises(mesh, mutate, "cannot be loaded")
+    reasons = dict(error.mismatched)
+    assert "not a tensor" in reasons["layers.0.wo.weight"]
+    assert "meta device" in reasons["layers.0.attn.weight"]
+    assert "integer" in reasons["layers.0.attn.bias"]
+
+
+def scenario_load_non_strict_reports_and_loads_the_rest(mesh: DeviceMesh) -> None:
+    model = sharded_kept_stack(mesh)
+    source = fresh_full_state()
+    partial = {k: v for k, v in source.items() if k != "norm.weight"}
+    partial["extra"] = torch.zeros(1)
+    result = fp32keep.load_full_state_dict(model, partial if rank() == 0 else None, strict=False)
+    assert result.missing_keys == ("norm.weight",)
+    assert result.unexpected_keys == ("extra",)
+    full = fp32keep.gather_full_state_dict(model)
+    assert torch.equal(full["layers.1.wo.weight"], source["layers.1.wo.weight"])
+
+
+def scenario_load_dict_on_wrong_or_no_rank(mesh: DeviceMesh) -> None:
+    model = sharded_kept_stack(mesh)
+    source = fresh_full_state()
+    with pytest.raises(ValueError, match=r"held by ranks \[0, 1\]"):
+        fp32keep.load_full_state_dict(model, source)
+    with pytest.raises(ValueError, match="held by no rank"):
+        fp32keep.load_full_state_dict(model, None)
+    with pytest.raises(ValueError, match=r"held by ranks \[1\]"):
+        fp32keep.load_full_state_dict(model, source if rank() == 1 else None)
+
+
+def scenario_load_before_apply_is_refused(mesh: DeviceMesh) -> None:
+    model, _ = kept_stack(["wo"])
+    with pytest.raises(ValueError, match=r"not sharded: call fp32keep\.apply_fsdp2"):
+        fp32keep.load_full_state_dict(model, fresh_full_state() if rank() == 0 else None)
+
+
+# --- a real Transformers model ----------------------------------------------------------------
+
+
+def scenario_t5_fp16_keeps_wo_through_wrap_and_load(mesh: DeviceMesh) -> None:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=64,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        decoder_start_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(config)
+    source = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = fp32keep.resolve_keep_plan(model, FP16)
+    assert len(plan.param_names) == 4  # one `wo` per block, regular list under fp16
+    fp32keep.keep_aware_cast(model, FP16, plan=plan)
+    wo = model.encoder.block[0].layer[1].DenseReluDense.wo
+    seen = record_weight_dtypes(wo)
+    policy = MixedPrecisionPolicy(param_dtype=FP16, reduce_dtype=FP32)
+    fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=policy, plan=plan)
+    fp32keep.load_full_state_dict(model, source if rank() == 0 else None)
+    assert_loaded(model, source)
+    ids = batch(64)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    assert seen == [FP32]
+    assert torch.isfinite(out.loss)
+    assert isinstance(model, FSDPModule)
+    assert isinstance(wo, FSDPModule)
