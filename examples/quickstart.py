@@ -1,0 +1,54 @@
+"""fp32keep in one screen: a tiny T5 trained in fp16 under FSDP2 keeps its `wo` weights in FP32.
+
+Run: torchrun --standalone --nproc-per-node=2 examples/quickstart.py
+(gloo on CPU; NCCL with one GPU per rank when CUDA is available).
+"""
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from transformers import T5Config, T5ForConditionalGeneration
+
+import fp32keep
+
+cuda = torch.cuda.is_available()
+dist.init_process_group("nccl" if cuda else "gloo")
+rank = dist.get_rank()
+if cuda:
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+device = "cuda" if cuda else "cpu"
+mesh = init_device_mesh(device, (dist.get_world_size(),))
+
+# Every rank builds the model on the meta device; rank 0 alone holds the checkpoint.
+config = T5Config(
+    vocab_size=128,
+    d_model=64,
+    d_kv=16,
+    d_ff=128,
+    num_layers=2,
+    num_heads=4,
+    decoder_start_token_id=0,
+)
+checkpoint = T5ForConditionalGeneration(config).state_dict() if rank == 0 else None
+with torch.device("meta"):
+    model = T5ForConditionalGeneration(config)
+
+plan = fp32keep.resolve_keep_plan(model, torch.float16)  # T5 keeps `wo` under fp16
+fp32keep.keep_aware_cast(model, torch.float16, plan=plan)  # instead of model.to(torch.float16)
+policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=policy, plan=plan)  # validates, then shards
+fp32keep.load_full_state_dict(model, checkpoint)  # destination dtype wins
+
+ids = torch.randint(0, 128, (2, 8), device=device)
+loss = model(input_ids=ids, labels=ids).loss
+loss.backward()
+
+wo = model.encoder.block[0].layer[1].DenseReluDense.wo.weight
+if rank == 0:
+    print(plan.describe())
+    print(
+        f"loss {loss.item():.4f}; stored wo shard: {wo.to_local().dtype}; "
+        f"other weights: {model.shared.weight.to_local().dtype}"
+    )
+dist.destroy_process_group()
