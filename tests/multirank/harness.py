@@ -44,7 +44,7 @@ def run_scenarios(
             "--standalone",
             f"--nproc-per-node={nproc}",
             "-m",
-            "tests.dist.harness",
+            "tests.multirank.harness",
             module,
             out,
         ]
@@ -67,6 +67,22 @@ def run_scenarios(
         return results
 
 
+def scenario_names(module: object) -> list[str]:
+    """The ``scenario_*`` functions of a scenario module, sorted."""
+    return sorted(name for name in vars(module) if name.startswith("scenario_"))
+
+
+def assert_scenario_passed(
+    outcomes: dict[str, list[RankOutcome]], name: str, nproc: int = 2
+) -> None:
+    """Fail with every failing rank's traceback unless ``name`` passed on all ``nproc`` ranks."""
+    ranks = outcomes.get(name)
+    assert ranks is not None, f"{name} did not run (an earlier scenario may have hung the ranks)"
+    assert len(ranks) == nproc, f"{name} ran on ranks {[r.rank for r in ranks]} only"
+    failed = [r for r in ranks if not r.ok]
+    assert not failed, "\n".join(f"--- rank {r.rank} ---\n{r.error}" for r in failed)
+
+
 def _main() -> None:
     import torch
     import torch.distributed as dist
@@ -80,7 +96,7 @@ def _main() -> None:
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     scenarios = importlib.import_module(args.module)
-    names = sorted(name for name in vars(scenarios) if name.startswith("scenario_"))
+    names = scenario_names(scenarios)
     results: dict[str, dict[str, object]] = {}
     for name in names:
         torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """Two-rank scenarios for the core library: wrapping, the seed reproducers, and loading.
 
-Each ``scenario_*`` runs in every rank with a 1-D gloo mesh; ``tests/dist/test_core_2rank.py``
+Each ``scenario_*`` runs in every rank with a 1-D gloo mesh; ``tests/multirank/test_core_2rank.py``
 turns each into one pytest test.
 """
 
