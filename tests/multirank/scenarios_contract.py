@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from fp32keep import KeepPlan
-from pytest_fp32keep.contract import ContractViolation, assert_fp32_keep_contract
+from pytest_fp32keep import ContractViolation, assert_fp32_keep_contract
 from tests.core.toys import stack_class
 
 BF16, FP16 = torch.bfloat16, torch.float16
