@@ -57,15 +57,21 @@ class Layout:
 
     Attributes:
         units: the planned units.
-        owner: for every parameter name (all aliases), the label of the unit that owns it.
+        owner: for every parameter name (all aliases), the label of the unit that owns it
+            (``"<replicated>"`` for the replicated ones).
+        replicated: kept, frozen parameters that no unit can isolate: left out of FSDP2
+            (``ignored_params``), so every rank holds them whole, in FP32, never cast.
     """
 
     units: tuple[Unit, ...]
     owner: dict[str, str]
+    replicated: tuple[str, ...] = ()
 
     def describe(self) -> str:
         """A readable list of units in sharding order."""
-        return "\n".join(f"{unit.kind:<8} {unit.label}" for unit in self.units)
+        lines = [f"{unit.kind:<10} {unit.label}" for unit in self.units]
+        lines += [f"{'replicated':<10} {name}" for name in self.replicated]
+        return "\n".join(lines)
 
 
 def _has_own_forward(module: nn.Module) -> bool:
@@ -177,6 +183,7 @@ def plan_layout(
     *,
     wrap: WrapSpec | None = None,
     group_kept: bool = False,
+    replicate_frozen: bool = True,
 ) -> Layout:
     """Decide the units that keep ``plan`` under FSDP2, or raise with every reason it cannot.
 
@@ -187,6 +194,10 @@ def plan_layout(
             classes named by the model's ``_no_split_modules``.
         group_kept: shard the kept modules that share one standard unit together (one
             all-gather per block instead of one per kept module).
+        replicate_frozen: a kept parameter that is frozen (``requires_grad=False``) but whose
+            module also owns low-precision parameters (a router's correction bias, say) is left
+            out of FSDP2 and replicated in FP32 instead of refused. Trainable ones are always
+            refused: FSDP2 would not reduce their gradients.
 
     Raises:
         KeepLayoutError: naming every offending parameter and the reason.
@@ -225,12 +236,14 @@ def plan_layout(
         for fqn in kept:
             add("kept", [fqn])
 
-    owner, problems = _assign_and_validate(model, plan, units, unit_of_module)
+    owner, replicated, problems = _assign_and_validate(
+        model, plan, units, unit_of_module, replicate_frozen
+    )
     if problems:
         raise KeepLayoutError(problems, model_name=type(model).__name__)
     # Children before parents: fully_shard claims the parameters not yet claimed below it.
     ordered = sorted(units, key=lambda unit: (-unit.depth, unit.kind != "kept"))
-    return Layout(tuple(ordered), owner)
+    return Layout(tuple(ordered), owner, tuple(replicated))
 
 
 def _assign_and_validate(
@@ -238,7 +251,8 @@ def _assign_and_validate(
     plan: KeepPlan,
     units: list[Unit],
     unit_of_module: dict[str, int],
-) -> tuple[dict[str, str], list[LayoutProblem]]:
+    replicate_frozen: bool,
+) -> tuple[dict[str, str], list[str], list[LayoutProblem]]:
     problems: list[LayoutProblem] = []
     unit_of_param: dict[int, set[int]] = defaultdict(set)
     names_of_param: dict[int, list[str]] = defaultdict(list)
@@ -252,6 +266,7 @@ def _assign_and_validate(
         unit_of_param[key].add(_innermost(unit_of_module, module_fqn))
 
     owner: dict[str, str] = {}
+    replicated: list[str] = []
     members: dict[int, list[int]] = defaultdict(list)
     flagged: set[int] = set()
     for key, unit_indices in unit_of_param.items():
@@ -272,6 +287,12 @@ def _assign_and_validate(
             continue
         index = next(iter(unit_indices))
         unit = units[index]
+        frozen_fp32 = not params[key].requires_grad and params[key].dtype == torch.float32
+        if kept and unit.kind != "kept" and frozen_fp32 and replicate_frozen:
+            for name in names:
+                owner[name] = "<replicated>"
+            replicated.append(first)
+            continue
         for name in names:
             owner[name] = unit.label
         members[index].append(key)
@@ -308,8 +329,8 @@ def _assign_and_validate(
                     f"is kept but would share unit {unit.label!r} with low-precision "
                     "parameters, which FSDP2 all-gathers in the policy's param_dtype. Its owning "
                     "module also owns parameters that are not kept, so it cannot be a unit of "
-                    "its own; declare the whole module kept, or split the parameter into a "
-                    "module of its own.",
+                    "its own; declare the whole module kept, split the parameter into a "
+                    "module of its own, or freeze it (frozen kept parameters are replicated).",
                 )
             )
         if len(problems) > count_before:
@@ -337,4 +358,4 @@ def _assign_and_validate(
                     "units of their own.",
                 )
             )
-    return owner, problems
+    return owner, replicated, problems

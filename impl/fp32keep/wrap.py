@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 import torch
@@ -14,6 +15,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from fp32keep.layout import Layout, WrapSpec, plan_layout
 from fp32keep.plan import KeepPlan, check_plan_fits, resolve_keep_plan
 from fp32keep.tensors import check_float_dtype, is_castable_float
+
+# fully_shard(ignored_params=...) arrived after torch 2.6; without it a frozen kept parameter
+# that no unit can isolate is refused like a trainable one.
+_SUPPORTS_IGNORED_PARAMS = "ignored_params" in inspect.signature(fully_shard).parameters
 
 
 def infer_low_precision_dtype(model: nn.Module, mp_policy: MixedPrecisionPolicy) -> torch.dtype:
@@ -96,6 +101,10 @@ def apply_fsdp2(
       named by the model's ``_no_split_modules``), minus anything inside a kept unit;
     * the root, with ``mp_policy``.
 
+    A kept parameter that is frozen and whose module also owns parameters that are not kept (a
+    router's correction bias) cannot get a unit of its own; it is left out of FSDP2
+    (``ignored_params``) and stays whole and FP32 on every rank (``Layout.replicated``).
+
     Args:
         model: the unsharded model, cast keep-aware (:func:`fp32keep.keep_aware_cast`).
         mesh: the data-parallel device mesh.
@@ -116,7 +125,9 @@ def apply_fsdp2(
         plan = resolve_keep_plan(model, infer_low_precision_dtype(model, mp_policy))
     else:
         check_plan_fits(model, plan)
-    layout = plan_layout(model, plan, wrap=wrap, group_kept=group_kept)
+    layout = plan_layout(
+        model, plan, wrap=wrap, group_kept=group_kept, replicate_frozen=_SUPPORTS_IGNORED_PARAMS
+    )
     _shard(model, layout, mesh, mp_policy, reshard_after_forward, offload_policy)
     return model
 
@@ -137,6 +148,9 @@ def _shard(
         common["reshard_after_forward"] = reshard_after_forward
     if offload_policy is not None:
         common["offload_policy"] = offload_policy
+    if layout.replicated:
+        parameters = dict(model.named_parameters(remove_duplicate=False))
+        common["ignored_params"] = {parameters[name] for name in layout.replicated}
     for unit in layout.units:
         targets = [modules[fqn] for fqn in unit.module_fqns]
         policy = kept_policy if unit.kind == "kept" else mp_policy

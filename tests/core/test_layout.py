@@ -135,6 +135,21 @@ def test_kept_parameter_sharing_a_module_with_low_precision_ones() -> None:
     assert "layers.0" in str(error.value)
 
 
+def test_frozen_kept_parameter_in_a_mixed_module_is_replicated() -> None:
+    # Afmoe's expert_bias / DeepSeek's correction bias: frozen, owned by the MoE block.
+    model = stack_class(strict=["time_decay"])()
+    for layer in model.layers:
+        bias = nn.Parameter(torch.randn(8), requires_grad=False)
+        layer.attn.register_parameter("time_decay", bias)
+    layout = layout_of(model)
+    assert layout.replicated == ("layers.0.attn.time_decay", "layers.1.attn.time_decay")
+    assert layout.owner["layers.0.attn.time_decay"] == "<replicated>"
+    assert "replicated" in layout.describe()
+    # without replication support (older torch) it is refused like a trainable one
+    with pytest.raises(KeepLayoutError, match="mixed-unit"):
+        plan_layout(model, plan_for(model), replicate_frozen=False)
+
+
 def test_kept_parameter_already_degraded() -> None:
     model = stack_class(strict=["wo"])()
     plan = plan_for(model)

@@ -21,7 +21,7 @@ def factory() -> nn.Module:
     return stack_class(strict=["wo", "norm"])()
 
 
-def batch() -> torch.Tensor:
+def batch(model: nn.Module) -> torch.Tensor:
     return torch.randint(0, 16, (2, 6), generator=torch.Generator().manual_seed(3))
 
 

@@ -238,6 +238,26 @@ def scenario_layout_error_leaves_model_untouched(mesh: DeviceMesh) -> None:
     assert_unchanged(model, before)
 
 
+def scenario_frozen_kept_parameter_in_a_mixed_module_is_replicated_fp32(mesh: DeviceMesh) -> None:
+    torch.manual_seed(0)
+    model = stack_class(strict=["expert_bias"])()
+    for layer in model.layers:
+        layer.attn.register_parameter(
+            "expert_bias", nn.Parameter(torch.randn(8), requires_grad=False)
+        )
+    plan = fp32keep.resolve_keep_plan(model, BF16, transformers_version=SEMANTICS)
+    fp32keep.keep_aware_cast(model, BF16, plan=plan)
+    source = {k: v.clone() for k, v in model.state_dict().items()}
+    fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=BF16_POLICY, plan=plan)
+    bias = model.layers[0].attn.expert_bias
+    assert not isinstance(bias, torch.distributed.tensor.DTensor)  # whole on every rank
+    assert bias.dtype == FP32
+    model(batch()).float().sum().backward()
+    assert model.layers[0].attn.weight.grad is not None
+    fp32keep.load_full_state_dict(model, source if rank() == 0 else None)
+    assert_loaded(model, source)
+
+
 def scenario_apply_twice_is_refused(mesh: DeviceMesh) -> None:
     model, plan = kept_stack(["wo"])
     fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=BF16_POLICY, plan=plan)
