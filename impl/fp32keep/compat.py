@@ -8,7 +8,9 @@ has to diff this file against that table:
   bf16; an entry matches whole dot-separated segments (``((^|\\.)ENTRY($|\\.))``, the entry not
   escaped); ``post_init`` rejects entries that are not one non-numeric segment of a parameter name.
 * group B (5.0.0): both lists apply at every dtype; an entry is a glob (``*`` → ``.*``) searched
-  anywhere in the name; only ``list`` declarations count (a tuple or set is silently ignored).
+  anywhere in the name; only ``list`` declarations count (a tuple or set is silently ignored);
+  loading reads ``model.dtype_plan``, frozen in ``PreTrainedModel.__init__``, so entries a
+  subclass appends later (InstructBlip appends its language model's ``wo``) are not applied.
 * group C (5.1.0 and later): the dtype gates of group A with the glob match of group B; tuples and
   sets count; ``post_init`` folds nested models' lists into the top model's runtime attributes.
 """
@@ -51,6 +53,8 @@ class KeepSemantics:
         strict_dtypes: load dtypes under which ``_keep_in_fp32_modules_strict`` applies.
         lists_only: only ``list`` declarations count (5.0.0 ignores tuples and sets).
         validates_entries: entries must name one whole parameter-name segment (4.x ``post_init``).
+        reads_dtype_plan: a model's ``dtype_plan`` dict, when it has one, is what loading applies
+            (5.0.0), rather than the runtime lists.
     """
 
     group: Group
@@ -59,6 +63,7 @@ class KeepSemantics:
     strict_dtypes: frozenset[torch.dtype]
     lists_only: bool
     validates_entries: bool
+    reads_dtype_plan: bool = False
 
     @property
     def match_rule(self) -> str:
@@ -119,7 +124,7 @@ def semantics_for(version: str | Version) -> KeepSemantics:
         return KeepSemantics("C", str(parsed), fp16, LOW_PRECISION_DTYPES, False, False)
     if release >= _GROUP_B_FIRST:
         return KeepSemantics(
-            "B", str(parsed), LOW_PRECISION_DTYPES, LOW_PRECISION_DTYPES, True, False
+            "B", str(parsed), LOW_PRECISION_DTYPES, LOW_PRECISION_DTYPES, True, False, True
         )
     return KeepSemantics("A", str(parsed), fp16, LOW_PRECISION_DTYPES, False, True)
 

@@ -124,6 +124,14 @@ def _declared_entries(
 ) -> Iterator[tuple[ListKind, tuple[str, ...]]]:
     # The top model's runtime attributes are what `from_pretrained` reads in every version; in
     # 5.1+ `post_init` has already folded nested models' lists into them, in 4.x it has not.
+    # 5.0.0 loads with the `dtype_plan` frozen at __init__ instead, when the model has one.
+    dtype_plan = getattr(model, "dtype_plan", None)
+    if semantics.reads_dtype_plan and isinstance(dtype_plan, dict):
+        strict = getattr(model, STRICT_ATTR, None) or ()
+        planned = [str(entry) for entry, dtype in dtype_plan.items() if dtype == torch.float32]
+        yield "regular", tuple(e for e in planned if e not in strict)
+        yield "strict", tuple(e for e in planned if e in strict)
+        return
     for kind, attribute in (("regular", REGULAR_ATTR), ("strict", STRICT_ATTR)):
         try:
             entries = semantics.declared(getattr(model, attribute, None))

@@ -265,3 +265,14 @@ def test_plan_does_not_modify_the_model() -> None:
         name: t.dtype for name, t in after.items()
     }
     assert all(torch.equal(before[name][1], after[name]) for name in before)
+
+
+def test_group_b_applies_the_dtype_plan_frozen_at_init() -> None:
+    # 5.0.0 builds `dtype_plan` in PreTrainedModel.__init__; InstructBlip appends "wo" to its
+    # runtime list afterwards, and loading never applies it.
+    model = model_with_names(["query_tokens", "lm.wo.weight"], regular=["query_tokens", "wo"])
+    model.dtype_plan = {"query_tokens": FP32}
+    b = resolve_keep_plan(model, FP16, transformers_version=GROUP_B)
+    c = resolve_keep_plan(model, FP16, transformers_version=GROUP_C)
+    assert b.param_names == {"query_tokens"}
+    assert c.param_names == {"query_tokens", "lm.wo.weight"}

@@ -1,0 +1,305 @@
+"""``fp32keep check``: run the FP32-keep contract on the zoo or on your models, in N ranks.
+
+    fp32keep check [TARGET ...] [--nproc N] [--dtype bf16,fp16] [--context autocast,direct]
+                   [--prefetch] [--batch MODULE:FUNCTION] [--report FILE] [--timeout SECONDS]
+
+A TARGET is a zoo name (``fp32keep check --list`` shows them) or ``package.module:factory``, a
+zero-argument function returning an ``nn.Module``. Exit status: 0 when every case passes, 1 when
+one does not, 2 for a usage error or a bad TARGET.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+CHECK_COLUMNS = ("stored", "materialized", "boundary", "operators", "parity", "round trip")
+DTYPE_CHOICES = ("bf16", "fp16")
+CONTEXT_CHOICES = ("autocast", "direct")
+
+
+def _csv(choices: Sequence[str], option: str) -> Any:
+    def parse(text: str) -> list[str]:
+        values = [value.strip() for value in text.split(",") if value.strip()]
+        bad = [value for value in values if value not in choices]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(
+                f"{option} takes a comma-separated list of {', '.join(choices)}; got {text!r}"
+            )
+        return list(dict.fromkeys(values))
+
+    return parse
+
+
+def _positive_int(option: str) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{option} must be a whole number, got {text!r}"
+            ) from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{option} must be at least 1, got {value}")
+        return value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``fp32keep`` command line."""
+    parser = argparse.ArgumentParser(prog="fp32keep", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    check = commands.add_parser(
+        "check",
+        help="run the FP32-keep contract in N ranks and print a table",
+        description="Run the FP32-keep contract on the built-in zoo (default) or on TARGETs.",
+    )
+    check.add_argument(
+        "targets", nargs="*", metavar="TARGET", help="zoo name or package.module:factory"
+    )
+    check.add_argument(
+        "--nproc", type=_positive_int("--nproc"), default=2, help="ranks (default 2)"
+    )
+    check.add_argument(
+        "--dtype",
+        type=_csv(DTYPE_CHOICES, "--dtype"),
+        default=list(DTYPE_CHOICES),
+        help="low-precision dtypes (default bf16,fp16)",
+    )
+    check.add_argument(
+        "--context",
+        type=_csv(CONTEXT_CHOICES, "--context"),
+        default=["autocast"],
+        help="run forward under autocast, directly, or both (default autocast)",
+    )
+    check.add_argument("--prefetch", action="store_true", help="also run with forward prefetch on")
+    check.add_argument("--batch", metavar="MODULE:FUNCTION", help="builds a batch from the model")
+    check.add_argument(
+        "--report", type=Path, metavar="FILE", help="write Markdown to FILE and JSON beside it"
+    )
+    check.add_argument(
+        "--timeout",
+        type=_positive_int("--timeout"),
+        default=1800,
+        help="seconds before the ranks are killed (default 1800)",
+    )
+    check.add_argument("--list", action="store_true", help="list the zoo entries and exit")
+    return parser
+
+
+def _mark(value: bool | None) -> str:
+    return "-" if value is None else ("pass" if value else "FAIL")
+
+
+def _kept_summary(case: dict[str, Any]) -> str:
+    if case["outcome"] == "refused":
+        return f"refused: {', '.join(case.get('refused', [])[:3])}"
+    kept = case["kept"]
+    if not kept:
+        return "none"
+    stored = sorted({row["stored"] for row in kept})
+    gathered = sorted({row["materialized"] for row in kept})
+    return f"{len(kept)}: stored {'/'.join(stored)}, all-gathered {'/'.join(gathered)}"
+
+
+def _result(case: dict[str, Any]) -> str:
+    if case["outcome"] == "refused":
+        return "pass (refused)" if case["ok"] else "FAIL (refused)"
+    if case["expect_layout_error"]:
+        return "FAIL (not refused)"
+    return {"pass": "pass", "fail": "FAIL", "error": "ERROR"}[case["outcome"]]
+
+
+def _rows(cases: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for case in cases:
+        status = case.get("status") or {}
+        rows.append(
+            [case["target"], case["dtype"], case["context"], _result(case)]
+            + [_mark(status.get(check)) for check in CHECK_COLUMNS]
+            + [_kept_summary(case)]
+        )
+    return rows
+
+
+HEADER = ["model", "dtype", "context", "result", *CHECK_COLUMNS, "kept tensors"]
+
+
+def render_text(cases: list[dict[str, Any]]) -> str:
+    """The result table as aligned text."""
+    rows = [HEADER, *_rows(cases)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows
+    )
+
+
+def _details(case: dict[str, Any]) -> list[str]:
+    lines = []
+    for finding in case.get("failures", [])[:20]:
+        lines.append(
+            f"- `{finding['check']}` {finding['subject']}: expected {finding['expected']}, "
+            f"observed {finding['observed']}"
+        )
+    if case["outcome"] in ("error", "refused") and not case["ok"] and case["message"]:
+        lines.append("```\n" + case["message"].strip()[-3000:] + "\n```")
+    return lines
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    """The report as Markdown, ready for ``$GITHUB_STEP_SUMMARY``."""
+    cases = result["cases"]
+    passed = sum(1 for case in cases if case["ok"])
+    lines = [
+        "## FP32-keep contract",
+        "",
+        f"{passed} of {len(cases)} cases pass — {result['nproc']} ranks on {result['device']}, "
+        f"torch {result['versions']['torch']}, transformers {result['versions']['transformers']}, "
+        f"{result['date']}.",
+        "",
+        "| " + " | ".join(HEADER) + " |",
+        "|" + "---|" * len(HEADER),
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in _rows(cases)]
+    for name, reason in result.get("unavailable", {}).items():
+        lines.append(f"\n*{name}* not checked: {reason}")
+    failing = [case for case in cases if not case["ok"]]
+    for case in failing:
+        lines += [
+            "",
+            f"### {case['target']} {case['dtype']} ({case['context']}): {_result(case)}",
+            "",
+        ]
+        lines += _details(case)
+    return "\n".join(lines) + "\n"
+
+
+def _versions() -> dict[str, str]:
+    versions = {}
+    for package in ("torch", "transformers", "pytest-fp32keep"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = "not installed"
+    return versions
+
+
+def _launch(spec: dict[str, Any], nproc: int, timeout: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="fp32keep-check-") as work:
+        spec_path, out_path = Path(work, "spec.json"), Path(work, "out.json")
+        spec_path.write_text(json.dumps(spec))
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "pytest_fp32keep.check_ranks",
+            str(spec_path),
+            str(out_path),
+        ]
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
+        }
+        # A session of its own, so that a timeout kills torchrun and every rank together.
+        process = subprocess.Popen(command, env=env, start_new_session=True)
+        try:
+            code = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            raise RuntimeError(
+                f"the ranks did not finish within --timeout {timeout} s and were killed"
+            ) from None
+        except KeyboardInterrupt:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            raise
+        if code != 0 or not out_path.exists():
+            raise RuntimeError(
+                f"the ranks failed (torchrun exit status {code}); see the output above"
+            )
+        result: dict[str, Any] = json.loads(out_path.read_text())
+        return result
+
+
+def check(args: argparse.Namespace) -> int:
+    """Validate the targets here, run every case in the ranks, print and write the report."""
+    from pytest_fp32keep.targets import TargetError, resolve_targets
+
+    try:
+        targets, unavailable = resolve_targets(args.targets, args.batch)
+    except TargetError as error:
+        print(f"fp32keep check: error: {error}", file=sys.stderr)
+        return 2
+    if not targets:
+        print("fp32keep check: error: no target is available to check", file=sys.stderr)
+        return 2
+    spec = {
+        "targets": args.targets,
+        "batch": args.batch,
+        "dtypes": args.dtype,
+        "autocast": [context == "autocast" for context in args.context],
+        "prefetch": [False, True] if args.prefetch else [False],
+    }
+    started = time.monotonic()
+    try:
+        result = _launch(spec, args.nproc, args.timeout)
+    except RuntimeError as error:
+        print(f"fp32keep check: error: {error}", file=sys.stderr)
+        return 1
+    result.update(
+        nproc=args.nproc,
+        versions=_versions(),
+        date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        seconds=round(time.monotonic() - started, 1),
+        unavailable=dict(unavailable),
+    )
+    print(render_text(result["cases"]))
+    for name, reason in unavailable.items():
+        print(f"not checked: {name}: {reason}")
+    for case in result["cases"]:
+        if not case["ok"]:
+            print(f"\n{case['target']} {case['dtype']} ({case['context']}): {_result(case)}")
+            print("\n".join(_details(case)))
+    if args.report is not None:
+        args.report.write_text(render_markdown(result))
+        args.report.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    failed = sum(1 for case in result["cases"] if not case["ok"])
+    print(f"\n{len(result['cases']) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``fp32keep`` console script."""
+    args = build_parser().parse_args(argv)
+    if args.list:
+        from pytest_fp32keep.targets import zoo_targets
+
+        targets, unavailable = zoo_targets()
+        for target in targets:
+            refused = ",".join(sorted(target.refused_dtypes))
+            note = f"  (expects KeepLayoutError under {refused})" if refused else ""
+            print(f"{target.name}{note}")
+        for name, reason in unavailable.items():
+            print(f"{name}  (unavailable: {reason})")
+        return 0
+    return check(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,144 @@
+"""What ``fp32keep check`` checks: built-in zoo entries or a user's ``package.module:factory``."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from pytest_fp32keep.zoo import ZooEntry
+
+
+class TargetError(ValueError):
+    """A TARGET cannot be checked: not found, its factory raised, or it built no module."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """One model to check.
+
+    Attributes:
+        name: how the target is shown (zoo name, or the ``module:factory`` string).
+        build: builds the FP32, unsharded model.
+        make_batch: builds one batch from the model.
+        refused_dtypes: the dtypes (``"bf16"``, ``"fp16"``) under which the model's layout
+            cannot keep its plan, where the check passes only if ``apply_fsdp2`` refuses it with
+            ``KeepLayoutError`` (elsewhere the plan is empty and the contract must hold).
+    """
+
+    name: str
+    build: Callable[[], nn.Module]
+    make_batch: Callable[[nn.Module], Any]
+    refused_dtypes: frozenset[str] = frozenset()
+
+    @property
+    def expect_layout_error(self) -> bool:
+        """True when some dtype's layout is expected to be refused."""
+        return bool(self.refused_dtypes)
+
+
+def _language_model_batch(model: nn.Module) -> dict[str, torch.Tensor]:
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(vocab, int):
+        raise TargetError(
+            f"cannot build a batch for {type(model).__name__}: it has no config.vocab_size; "
+            "pass --batch package.module:function (function(model) -> batch)"
+        )
+    ids = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    if getattr(config, "is_encoder_decoder", False):
+        batch["decoder_input_ids"] = ids.clone()
+    return batch
+
+
+def _import_attribute(spec: str, *, what: str) -> object:
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise TargetError(
+            f"{what} {spec!r} is not of the form package.module:function (or a zoo name)"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise TargetError(
+            f"{what} {spec!r}: cannot import module {module_name!r}: {error}"
+        ) from error
+    try:
+        return getattr(module, attribute)
+    except AttributeError:
+        raise TargetError(
+            f"{what} {spec!r}: module {module_name!r} has no attribute {attribute!r}"
+        ) from None
+
+
+def user_target(spec: str, batch_spec: str | None = None) -> Target:
+    """Resolve ``package.module:factory``; the factory is called once here to validate it."""
+    factory = _import_attribute(spec, what="TARGET")
+    if not callable(factory):
+        raise TargetError(f"TARGET {spec!r} is a {type(factory).__name__}, not a callable factory")
+    try:
+        built = factory()
+    except Exception as error:
+        raise TargetError(
+            f"TARGET {spec!r}: the factory raised {type(error).__name__}: {error}"
+        ) from error
+    if not isinstance(built, nn.Module):
+        raise TargetError(
+            f"TARGET {spec!r}: the factory returned a {type(built).__name__}, not a torch.nn.Module"
+        )
+    make_batch: Callable[[nn.Module], Any] = _language_model_batch
+    if batch_spec is not None:
+        batch = _import_attribute(batch_spec, what="--batch")
+        if not callable(batch):
+            raise TargetError(f"--batch {batch_spec!r} is not callable")
+        make_batch = batch
+    else:
+        try:
+            make_batch(built)  # fail now, with the message, rather than in every rank
+        except TargetError as error:
+            raise TargetError(f"TARGET {spec!r}: {error}") from None
+    return Target(spec, factory, make_batch)
+
+
+def _zoo_batch(entry: ZooEntry, model: nn.Module) -> Any:
+    return entry.make_batch(model, 0)
+
+
+def zoo_targets(names: list[str] | None = None) -> tuple[list[Target], Mapping[str, str]]:
+    """The built-in zoo entries available in the installed Transformers, and why others are not."""
+    from pytest_fp32keep.zoo import ZOO, available_entries
+
+    unknown = [name for name in names or [] if name not in ZOO]
+    if unknown:
+        raise TargetError(f"unknown zoo entries {unknown}; the zoo has {sorted(ZOO)}")
+    availability = available_entries(names)
+    short = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+    targets = [
+        Target(
+            entry.name,
+            entry.build,
+            partial(_zoo_batch, entry),
+            frozenset(short[d] for d in entry.dtypes) if entry.expect_layout_error else frozenset(),
+        )
+        for entry in availability.available.values()
+    ]
+    return targets, availability.unavailable
+
+
+def resolve_targets(
+    specs: list[str], batch_spec: str | None = None
+) -> tuple[list[Target], Mapping[str, str]]:
+    """Zoo names and ``module:factory`` specs → targets; no spec means the whole zoo."""
+    if not specs:
+        return zoo_targets()
+    zoo_names = [spec for spec in specs if ":" not in spec]
+    targets, unavailable = zoo_targets(zoo_names) if zoo_names else ([], {})
+    targets += [user_target(spec, batch_spec) for spec in specs if ":" in spec]
+    return targets, unavailable

@@ -1,0 +1,38 @@
+"""Factories for ``fp32keep check`` tests, importable as ``tests.cli.targets:NAME``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tests.core.toys import stack_class
+
+
+def kept_stack() -> nn.Module:
+    """A toy decoder that keeps ``wo`` strictly: the contract holds."""
+    return stack_class(strict=["wo"])()
+
+
+def root_owned() -> nn.Module:
+    """A toy whose kept parameter belongs to the root: FSDP2 cannot keep it."""
+    model = stack_class(strict=["query_tokens"])()
+    model.register_parameter("query_tokens", nn.Parameter(torch.randn(2, 8)))
+    return model
+
+
+def toy_batch(model: nn.Module) -> torch.Tensor:
+    """Token ids for the toy decoder."""
+    return torch.randint(0, 16, (2, 6), generator=torch.Generator().manual_seed(0))
+
+
+def raises() -> nn.Module:
+    """A factory that fails."""
+    raise RuntimeError("no weights here")
+
+
+def not_a_module() -> object:
+    """A factory that returns the wrong thing."""
+    return {"weights": 1}
+
+
+NOT_CALLABLE = 3
