@@ -13,8 +13,11 @@ backward in both, in the same context, and checks every item of the contract in
 * ``boundary``: the activation input/output dtypes of every kept module (and, when the policy does
   not cast forward inputs, of every module) equal the reference's;
 * ``operators``: the operators run inside kept modules, with their dtypes, equal the reference's;
-* ``parity``: logits and loss bit-identical; every gradient bit-identical, or no further from the
-  reference than plain FSDP2 gets on the same model (a control run measures that);
+* ``parity``: logits and loss bit-identical; every gradient bit-identical, or — when plain FSDP2
+  itself is not bit-identical on the same model (a control run measures it; T5's shared
+  position bias makes autograd accumulate in another order) — no further from the reference
+  than plain FSDP2 gets, or than two units of roundoff of the low-precision dtype, whichever is
+  larger: both runs carry accumulation-order noise of that size, in different places;
 * ``round trip``: loading a low-precision full state dict and gathering it back is exact, and the
   destination dtype wins for every alias.
 
@@ -53,6 +56,10 @@ CHECKS: tuple[CheckName, ...] = (
     "parity",
     "round trip",
 )
+
+
+GRADIENT_NOISE_ULPS = 2
+"""Accumulation-order noise allowed, in units of the low-precision dtype's roundoff (see parity)."""
 
 
 class CastFn(Protocol):
@@ -682,9 +689,13 @@ def assert_fp32_keep_contract(
             loss_fn=loss_fn,
             seed=seed,
         )
+        # Plain FSDP2 bit-identical means any difference is ours; otherwise both runs carry
+        # accumulation-order noise, whose size is the dtype's roundoff.
+        bound = max(control, GRADIENT_NOISE_ULPS * torch.finfo(dtype).eps) if control else 0.0
         notes.append(
             f"{len(off)} gradient(s) not bit-identical: at most {keep_error:.3g} (relative to the "
-            f"gradient's scale) from the reference; plain FSDP2 with nothing kept: {control:.3g}"
+            f"gradient's scale) from the reference; plain FSDP2 with nothing kept: {control:.3g}; "
+            f"bound {bound:.3g}"
         )
         for name in off:
             error = _relative_error(observed.grads[name], expected.grads[name])  # type: ignore[arg-type]
@@ -692,9 +703,9 @@ def assert_fp32_keep_contract(
                 Finding(
                     "parity",
                     f"grad {name}",
-                    f"<= {control:.3g} relative (plain FSDP2)",
+                    f"<= {bound:.3g} relative (plain FSDP2: {control:.3g})",
                     f"{error:.3g} relative",
-                    error <= control,
+                    error <= bound,
                 )
             )
     else:
