@@ -1,7 +1,7 @@
-"""Two-rank scenarios for the core library: wrapping, the seed reproducers, and loading.
+"""The core library in every rank: wrapping, the seed reproducers, and loading.
 
-Each ``scenario_*`` runs in every rank with a 1-D gloo mesh; ``tests/multirank/test_core_2rank.py``
-turns each into one pytest test.
+Each test body runs in the plugin's torchrun ranks (``@pytest.mark.fsdp2``; gloo on CPU) with the
+1-D mesh over all ranks.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 import fp32keep
 from fp32keep import KeepLayoutError, StateDictError
 from tests.core.toys import Stack, stack_class
+
+pytestmark = pytest.mark.fsdp2  # every test runs in the ranks (2 by default)
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 SEMANTICS = "5.10.4"  # toy declarations use 5.x glob entries; see tests/core/test_layout.py
@@ -91,7 +93,7 @@ def forced_fp32_norms() -> nn.Module:
     return model
 
 
-def scenario_reproducer_mixed_dtype_unit_crashes_plain_fsdp2(mesh: DeviceMesh) -> None:
+def test_reproducer_mixed_dtype_unit_crashes_plain_fsdp2(mesh: DeviceMesh) -> None:
     model = forced_fp32_norms()
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=BF16_POLICY)
@@ -100,7 +102,7 @@ def scenario_reproducer_mixed_dtype_unit_crashes_plain_fsdp2(mesh: DeviceMesh) -
         model(batch())
 
 
-def scenario_reproducer_mixed_dtype_unit_refused_then_trains_with_fp32_master(
+def test_reproducer_mixed_dtype_unit_refused_then_trains_with_fp32_master(
     mesh: DeviceMesh,
 ) -> None:
     model = forced_fp32_norms()
@@ -129,7 +131,7 @@ def fp32_master_stack() -> nn.Module:
     return stack_class(strict=["wo"])()
 
 
-def scenario_reproducer_kept_module_all_gathered_in_bf16_by_plain_fsdp2(mesh: DeviceMesh) -> None:
+def test_reproducer_kept_module_all_gathered_in_bf16_by_plain_fsdp2(mesh: DeviceMesh) -> None:
     model = fp32_master_stack()
     seen = record_weight_dtypes(model.layers[0].wo)
     for layer in model.layers:
@@ -140,7 +142,7 @@ def scenario_reproducer_kept_module_all_gathered_in_bf16_by_plain_fsdp2(mesh: De
     assert seen == [BF16]  # ...but the all-gather degraded it: the silent bug
 
 
-def scenario_reproducer_kept_unit_with_callers_policy_all_gathers_bf16(mesh: DeviceMesh) -> None:
+def test_reproducer_kept_unit_with_callers_policy_all_gathers_bf16(mesh: DeviceMesh) -> None:
     # Transformers 5.24's own FSDP2 path: kept modules get units, but with the bf16 policy.
     model, _ = kept_stack(["wo"])
     seen = record_weight_dtypes(model.layers[0].wo)
@@ -152,7 +154,7 @@ def scenario_reproducer_kept_unit_with_callers_policy_all_gathers_bf16(mesh: Dev
     assert seen == [BF16]
 
 
-def scenario_fp32_master_weights_keep_the_strict_list_under_a_bf16_policy(mesh: DeviceMesh) -> None:
+def test_fp32_master_weights_keep_the_strict_list_under_a_bf16_policy(mesh: DeviceMesh) -> None:
     model = fp32_master_stack()
     seen = record_weight_dtypes(model.layers[0].wo)
     attn = record_weight_dtypes(model.layers[0].attn)
@@ -163,7 +165,7 @@ def scenario_fp32_master_weights_keep_the_strict_list_under_a_bf16_policy(mesh: 
     assert attn == [BF16]  # tensors the plan does not keep get exactly plain FSDP2
 
 
-def scenario_kept_module_all_gathered_in_fp32_by_apply_fsdp2(mesh: DeviceMesh) -> None:
+def test_kept_module_all_gathered_in_fp32_by_apply_fsdp2(mesh: DeviceMesh) -> None:
     model, plan = kept_stack(["wo"])
     seen = record_weight_dtypes(model.layers[0].wo)
     fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=BF16_POLICY, plan=plan)
@@ -173,7 +175,7 @@ def scenario_kept_module_all_gathered_in_fp32_by_apply_fsdp2(mesh: DeviceMesh) -
     assert seen == [FP32]
 
 
-def scenario_kept_unit_keeps_the_activation_boundary(mesh: DeviceMesh) -> None:
+def test_kept_unit_keeps_the_activation_boundary(mesh: DeviceMesh) -> None:
     model, plan = kept_stack(["wo"])
     fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=BF16_POLICY, plan=plan)
     inputs = record_input_dtypes(model.layers[0].wo)
@@ -189,7 +191,7 @@ def scenario_kept_unit_keeps_the_activation_boundary(mesh: DeviceMesh) -> None:
     assert inputs == [BF16]
 
 
-def scenario_negative_control_fp32_param_dtype_changes_the_boundary(mesh: DeviceMesh) -> None:
+def test_negative_control_fp32_param_dtype_changes_the_boundary(mesh: DeviceMesh) -> None:
     # The known wrong fix: a kept unit with param_dtype=torch.float32 casts its inputs to FP32.
     model, _ = kept_stack(["mlp"])
     for layer in model.layers:
@@ -202,7 +204,7 @@ def scenario_negative_control_fp32_param_dtype_changes_the_boundary(mesh: Device
     assert inputs == [FP32]
 
 
-def scenario_logits_loss_and_grads_match_unsharded_reference(mesh: DeviceMesh) -> None:
+def test_logits_loss_and_grads_match_unsharded_reference(mesh: DeviceMesh) -> None:
     model, plan = kept_stack(["wo", "norm"])
     reference = copy.deepcopy(model)
     policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32, cast_forward_inputs=False)
@@ -226,7 +228,7 @@ def scenario_logits_loss_and_grads_match_unsharded_reference(mesh: DeviceMesh) -
 # --- apply_fsdp2 refusals --------------------------------------------------------------------
 
 
-def scenario_layout_error_leaves_model_untouched(mesh: DeviceMesh) -> None:
+def test_layout_error_leaves_model_untouched(mesh: DeviceMesh) -> None:
     model, plan = kept_stack(["time_decay"])
     for layer in model.layers:
         layer.attn.register_parameter("time_decay", nn.Parameter(torch.randn(8)))
@@ -238,7 +240,7 @@ def scenario_layout_error_leaves_model_untouched(mesh: DeviceMesh) -> None:
     assert_unchanged(model, before)
 
 
-def scenario_frozen_kept_parameter_in_a_mixed_module_is_replicated_fp32(mesh: DeviceMesh) -> None:
+def test_frozen_kept_parameter_in_a_mixed_module_is_replicated_fp32(mesh: DeviceMesh) -> None:
     torch.manual_seed(0)
     model = stack_class(strict=["expert_bias"])()
     for layer in model.layers:
@@ -258,14 +260,14 @@ def scenario_frozen_kept_parameter_in_a_mixed_module_is_replicated_fp32(mesh: De
     assert_loaded(model, source)
 
 
-def scenario_apply_twice_is_refused(mesh: DeviceMesh) -> None:
+def test_apply_twice_is_refused(mesh: DeviceMesh) -> None:
     model, plan = kept_stack(["wo"])
     fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=BF16_POLICY, plan=plan)
     with pytest.raises(ValueError, match="already sharded"):
         fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=BF16_POLICY, plan=plan)
 
 
-def scenario_bad_policy_dtype_is_refused(mesh: DeviceMesh) -> None:
+def test_bad_policy_dtype_is_refused(mesh: DeviceMesh) -> None:
     model, plan = kept_stack(["wo"])
     before = snapshot(model)
     with pytest.raises(ValueError, match=r"mp_policy\.param_dtype must be a floating dtype"):
@@ -275,7 +277,7 @@ def scenario_bad_policy_dtype_is_refused(mesh: DeviceMesh) -> None:
     assert_unchanged(model, before)
 
 
-def scenario_grouped_kept_units_keep_the_contract(mesh: DeviceMesh) -> None:
+def test_grouped_kept_units_keep_the_contract(mesh: DeviceMesh) -> None:
     model, plan = kept_stack(["norm"])
     seen = record_weight_dtypes(model.layers[0].post_attention_layernorm)
     fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=BF16_POLICY, plan=plan, group_kept=True)
@@ -313,7 +315,7 @@ def assert_loaded(model: nn.Module, source: dict[str, torch.Tensor]) -> None:
         assert torch.equal(full[name], value), name
 
 
-def scenario_load_destination_dtype_wins_and_caller_dict_untouched(mesh: DeviceMesh) -> None:
+def test_load_destination_dtype_wins_and_caller_dict_untouched(mesh: DeviceMesh) -> None:
     model = sharded_kept_stack(mesh)
     source = fresh_full_state()
     # a bf16 checkpoint: kept tensors arrive bf16 and must land FP32 (upcast values)
@@ -330,7 +332,7 @@ def scenario_load_destination_dtype_wins_and_caller_dict_untouched(mesh: DeviceM
     assert checkpoint._metadata == {"": {"version": 1}}  # type: ignore[attr-defined]
 
 
-def scenario_load_ties_survive_and_one_alias_suffices(mesh: DeviceMesh) -> None:
+def test_load_ties_survive_and_one_alias_suffices(mesh: DeviceMesh) -> None:
     torch.manual_seed(0)
     model = stack_class(strict=["wo"])()
     model.head.weight = model.embed.weight
@@ -345,21 +347,21 @@ def scenario_load_ties_survive_and_one_alias_suffices(mesh: DeviceMesh) -> None:
     assert torch.equal(full["head.weight"], source["embed.weight"].to(BF16))
 
 
-def scenario_load_small_buckets_is_exact(mesh: DeviceMesh) -> None:
+def test_load_small_buckets_is_exact(mesh: DeviceMesh) -> None:
     model = sharded_kept_stack(mesh)
     source = fresh_full_state()
     fp32keep.load_full_state_dict(model, source if rank() == 0 else None, bucket_bytes=40)
     assert_loaded(model, source)
 
 
-def scenario_load_from_rank_1(mesh: DeviceMesh) -> None:
+def test_load_from_rank_1(mesh: DeviceMesh) -> None:
     model = sharded_kept_stack(mesh)
     source = fresh_full_state()
     fp32keep.load_full_state_dict(model, source if rank() == 1 else None, src_rank=1)
     assert_loaded(model, source)
 
 
-def scenario_load_into_meta_model(mesh: DeviceMesh) -> None:
+def test_load_into_meta_model(mesh: DeviceMesh) -> None:
     with torch.device("meta"):
         model = stack_class(strict=["wo"])()
     plan = fp32keep.resolve_keep_plan(model, BF16, transformers_version=SEMANTICS)
@@ -372,7 +374,7 @@ def scenario_load_into_meta_model(mesh: DeviceMesh) -> None:
     model(batch()).float().sum().backward()
 
 
-def scenario_load_with_cpu_offload(mesh: DeviceMesh) -> None:
+def test_load_with_cpu_offload(mesh: DeviceMesh) -> None:
     model = sharded_kept_stack(mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
     source = fresh_full_state()
     fp32keep.load_full_state_dict(model, source if rank() == 0 else None, cpu_offload=True)
@@ -398,19 +400,19 @@ def _every_rank_raises(
     return error.value
 
 
-def scenario_load_missing_key(mesh: DeviceMesh) -> None:
+def test_load_missing_key(mesh: DeviceMesh) -> None:
     error = _every_rank_raises(mesh, lambda sd: sd.pop("layers.1.wo.weight"), "missing keys")
     assert error.missing == ("layers.1.wo.weight",)
 
 
-def scenario_load_unexpected_key(mesh: DeviceMesh) -> None:
+def test_load_unexpected_key(mesh: DeviceMesh) -> None:
     error = _every_rank_raises(
         mesh, lambda sd: sd.__setitem__("layers.9.wo.weight", torch.zeros(2)), "unexpected keys"
     )
     assert error.unexpected == ("layers.9.wo.weight",)
 
 
-def scenario_load_shape_mismatch(mesh: DeviceMesh) -> None:
+def test_load_shape_mismatch(mesh: DeviceMesh) -> None:
     error = _every_rank_raises(
         mesh,
         lambda sd: sd.__setitem__("layers.0.wo.weight", torch.zeros(3, 8)),
@@ -419,7 +421,7 @@ def scenario_load_shape_mismatch(mesh: DeviceMesh) -> None:
     assert error.mismatched[0][0] == "layers.0.wo.weight"
 
 
-def scenario_load_non_tensor_meta_and_integer_entries(mesh: DeviceMesh) -> None:
+def test_load_non_tensor_meta_and_integer_entries(mesh: DeviceMesh) -> None:
     def mutate(sd: dict[str, object]) -> None:
         sd["layers.0.wo.weight"] = [[0.0] * 8] * 8
         sd["layers.0.attn.weight"] = torch.empty(8, 8, device="meta")
@@ -432,7 +434,7 @@ def scenario_load_non_tensor_meta_and_integer_entries(mesh: DeviceMesh) -> None:
     assert "integer" in reasons["layers.0.attn.bias"]
 
 
-def scenario_load_non_strict_reports_and_loads_the_rest(mesh: DeviceMesh) -> None:
+def test_load_non_strict_reports_and_loads_the_rest(mesh: DeviceMesh) -> None:
     model = sharded_kept_stack(mesh)
     source = fresh_full_state()
     partial = {k: v for k, v in source.items() if k != "norm.weight"}
@@ -444,7 +446,7 @@ def scenario_load_non_strict_reports_and_loads_the_rest(mesh: DeviceMesh) -> Non
     assert torch.equal(full["layers.1.wo.weight"], source["layers.1.wo.weight"])
 
 
-def scenario_load_dict_on_wrong_or_no_rank(mesh: DeviceMesh) -> None:
+def test_load_dict_on_wrong_or_no_rank(mesh: DeviceMesh) -> None:
     model = sharded_kept_stack(mesh)
     source = fresh_full_state()
     with pytest.raises(ValueError, match=r"held by ranks \[0, 1\]"):
@@ -455,7 +457,7 @@ def scenario_load_dict_on_wrong_or_no_rank(mesh: DeviceMesh) -> None:
         fp32keep.load_full_state_dict(model, source if rank() == 1 else None)
 
 
-def scenario_load_before_apply_is_refused(mesh: DeviceMesh) -> None:
+def test_load_before_apply_is_refused(mesh: DeviceMesh) -> None:
     model, _ = kept_stack(["wo"])
     with pytest.raises(ValueError, match=r"not sharded: call fp32keep\.apply_fsdp2"):
         fp32keep.load_full_state_dict(model, fresh_full_state() if rank() == 0 else None)
@@ -464,7 +466,7 @@ def scenario_load_before_apply_is_refused(mesh: DeviceMesh) -> None:
 # --- a real Transformers model ----------------------------------------------------------------
 
 
-def scenario_t5_fp16_keeps_wo_through_wrap_and_load(mesh: DeviceMesh) -> None:
+def test_t5_fp16_keeps_wo_through_wrap_and_load(mesh: DeviceMesh) -> None:
     from transformers import T5Config, T5ForConditionalGeneration
 
     config = T5Config(

@@ -1,0 +1,328 @@
+"""Options, ini keys and the ``fsdp2`` marker, resolved and validated in one place.
+
+Every setting has one validator that takes the raw value and a ``where`` string naming where
+the value came from (``--fsdp-nproc``, the ini key, or the marker argument on a test), so a bad
+value is reported at the boundary where it entered, before any rank starts.
+
+This module also decides which of the parent's pytest arguments the ranks inherit: the ranks
+must collect the same node ids and build the same fixtures, but must not run their own
+selection, reporting or distribution (``-k``, ``--lf``, ``--junitxml``, ``-n`` ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shlex
+from typing import Final
+
+import pytest
+
+MARKER_NAME: Final = "fsdp2"
+
+DEFAULT_NPROC: Final = 2
+DEFAULT_BACKEND: Final = "auto"
+DEFAULT_TIMEOUT_S: Final = 300.0
+BACKENDS: Final = ("auto", "gloo", "nccl")
+
+HELP_NPROC: Final = (
+    "number of ranks (processes started by torchrun) that run each test marked "
+    f"@pytest.mark.{MARKER_NAME}, unless the marker says nproc=... (default: {DEFAULT_NPROC}; "
+    "ini key: fsdp_nproc)"
+)
+HELP_BACKEND: Final = (
+    "process-group backend of marked tests: 'auto' picks nccl with one CUDA device per rank "
+    "when enough devices are visible, else gloo on CPU; 'nccl' skips tests that lack the "
+    f"devices (default: {DEFAULT_BACKEND}; ini key: fsdp_backend)"
+)
+HELP_TIMEOUT: Final = (
+    "seconds one marked test may run in its ranks; after that every rank's Python stack is "
+    "put in the report, the ranks are killed and the next test gets fresh ones (default: "
+    f"{DEFAULT_TIMEOUT_S:g}; ini key: fsdp_timeout)"
+)
+HELP_MARKER: Final = (
+    f"{MARKER_NAME}(nproc=None, backend=None, isolated=False): run the test body in nproc "
+    "ranks started by torchrun (default --fsdp-nproc), on backend 'auto', 'gloo' or 'nccl' "
+    "(default --fsdp-backend); ranks are kept alive across tests unless isolated=True, which "
+    "gives the test fresh ranks of its own."
+)
+
+_OPTION_NPROC: Final = "--fsdp-nproc"
+_OPTION_BACKEND: Final = "--fsdp-backend"
+_OPTION_TIMEOUT: Final = "--fsdp-timeout"
+_INI_NPROC: Final = "fsdp_nproc"
+_INI_BACKEND: Final = "fsdp_backend"
+_INI_TIMEOUT: Final = "fsdp_timeout"
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionSettings:
+    """The session-wide defaults, from the command line, else the ini file, else built in.
+
+    Attributes:
+        nproc: ranks per marked test when its marker does not say.
+        backend: ``"auto"``, ``"gloo"`` or ``"nccl"``, when the marker does not say.
+        timeout: seconds a marked test may run before its ranks are dumped and killed.
+    """
+
+    nproc: int = DEFAULT_NPROC
+    backend: str = DEFAULT_BACKEND
+    timeout: float = DEFAULT_TIMEOUT_S
+
+
+@dataclasses.dataclass(frozen=True)
+class ItemSettings:
+    """How one marked test runs: the marker's arguments over the session defaults.
+
+    Attributes:
+        nproc: number of ranks.
+        backend: the requested backend (``"auto"`` is resolved later, by device count).
+        isolated: the test gets fresh ranks, started and torn down for it alone.
+        timeout: seconds before the ranks are dumped and killed.
+    """
+
+    nproc: int
+    backend: str
+    isolated: bool
+    timeout: float
+
+
+class MarkerError(ValueError):
+    """A ``@pytest.mark.fsdp2`` argument is invalid; the message names the test and argument."""
+
+
+def add_options(parser: pytest.Parser) -> None:
+    """Register the command line options and their ini keys.
+
+    The options keep the raw string (no argparse ``type=``) so that one validator per
+    setting reports every bad value the same way, naming where it came from.
+    """
+    group = parser.getgroup("fp32keep", "FSDP2 multi-rank tests (pytest-fp32keep)")
+    group.addoption(_OPTION_NPROC, dest=_INI_NPROC, metavar="N", default=None, help=HELP_NPROC)
+    group.addoption(
+        _OPTION_BACKEND,
+        dest=_INI_BACKEND,
+        metavar="{" + ",".join(BACKENDS) + "}",
+        default=None,
+        help=HELP_BACKEND,
+    )
+    group.addoption(
+        _OPTION_TIMEOUT, dest=_INI_TIMEOUT, metavar="SECONDS", default=None, help=HELP_TIMEOUT
+    )
+    parser.addini(_INI_NPROC, HELP_NPROC, default="")
+    parser.addini(_INI_BACKEND, HELP_BACKEND, default="")
+    parser.addini(_INI_TIMEOUT, HELP_TIMEOUT, default="")
+
+
+def register_marker(config: pytest.Config) -> None:
+    """Declare the marker so that ``--strict-markers`` accepts it."""
+    config.addinivalue_line("markers", HELP_MARKER)
+
+
+def validate_nproc(value: object, where: str) -> int:
+    """A positive number of ranks; ``where`` names the option, ini key or marker argument."""
+    number: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str):
+        try:
+            number = int(value.strip())
+        except ValueError:
+            number = None
+    if number is None or number < 1:
+        raise_for(where, f"expected a positive integer number of ranks, got {value!r}")
+    assert number is not None
+    return number
+
+
+def validate_backend(value: object, where: str) -> str:
+    """One of ``auto``, ``gloo``, ``nccl``."""
+    if isinstance(value, str) and value.strip().lower() in BACKENDS:
+        return value.strip().lower()
+    raise_for(where, f"expected one of {', '.join(BACKENDS)}, got {value!r}")
+    raise AssertionError("unreachable")
+
+
+def validate_timeout(value: object, where: str) -> float:
+    """A finite, positive number of seconds."""
+    seconds: float | None = None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str):
+        try:
+            seconds = float(value.strip())
+        except ValueError:
+            seconds = None
+    if seconds is None or not math.isfinite(seconds) or seconds <= 0:
+        raise_for(where, f"expected a positive number of seconds, got {value!r}")
+    assert seconds is not None
+    return seconds
+
+
+def validate_isolated(value: object, where: str) -> bool:
+    """A real ``bool`` (a string such as ``"no"`` would silently read as true)."""
+    if isinstance(value, bool):
+        return value
+    raise_for(where, f"expected True or False, got {value!r}")
+    raise AssertionError("unreachable")
+
+
+def raise_for(where: str, problem: str) -> None:
+    """Raise the error that fits ``where``: a marker error for tests, else a usage error."""
+    if where.startswith("@pytest.mark."):
+        raise MarkerError(f"{where}: {problem}")
+    raise pytest.UsageError(f"{where}: {problem}")
+
+
+def session_settings(config: pytest.Config) -> SessionSettings:
+    """Resolve the session defaults: command line, else ini key, else built in.
+
+    Raises ``pytest.UsageError`` naming the option or ini key of a bad value.
+    """
+    inipath = f" in {config.inipath}" if config.inipath else ""
+
+    def pick(dest: str, option: str) -> tuple[object, str] | None:
+        cli = config.getoption(dest)
+        if cli is not None:
+            return cli, f"{option}={cli}"
+        ini = config.getini(dest)
+        if ini not in ("", None):
+            return ini, f"ini key '{dest}'{inipath}"
+        return None
+
+    nproc, backend, timeout = DEFAULT_NPROC, DEFAULT_BACKEND, DEFAULT_TIMEOUT_S
+    if (raw := pick(_INI_NPROC, _OPTION_NPROC)) is not None:
+        nproc = validate_nproc(*raw)
+    if (raw := pick(_INI_BACKEND, _OPTION_BACKEND)) is not None:
+        backend = validate_backend(*raw)
+    if (raw := pick(_INI_TIMEOUT, _OPTION_TIMEOUT)) is not None:
+        timeout = validate_timeout(*raw)
+    return SessionSettings(nproc=nproc, backend=backend, timeout=timeout)
+
+
+def is_marked(item: pytest.Item) -> bool:
+    """Whether ``item`` carries ``@pytest.mark.fsdp2`` (on itself, its class or module)."""
+    return item.get_closest_marker(MARKER_NAME) is not None
+
+
+def item_settings(item: pytest.Item, session: SessionSettings) -> ItemSettings:
+    """The closest ``fsdp2`` marker's arguments over the session defaults.
+
+    Raises ``MarkerError`` naming the test and the marker argument of a bad value.
+    """
+    mark = item.get_closest_marker(MARKER_NAME)
+    assert mark is not None, f"{item.nodeid} is not marked @pytest.mark.{MARKER_NAME}"
+    kwargs = dict(mark.kwargs)
+    where = f"@pytest.mark.{MARKER_NAME} on {item.nodeid}"
+    if len(mark.args) > 1:
+        raise MarkerError(f"{where}: takes at most one positional argument (nproc)")
+    if mark.args:
+        if "nproc" in kwargs:
+            raise MarkerError(f"{where}: nproc given both positionally and as nproc=")
+        kwargs["nproc"] = mark.args[0]
+    unknown = sorted(set(kwargs) - {"nproc", "backend", "isolated"})
+    if unknown:
+        raise MarkerError(
+            f"{where}: unknown argument(s) {', '.join(unknown)}; "
+            "the marker takes nproc, backend and isolated"
+        )
+
+    def arg_where(name: str) -> str:
+        return f"@pytest.mark.{MARKER_NAME}({name}={kwargs[name]!r}) on {item.nodeid}"
+
+    nproc = session.nproc
+    if kwargs.get("nproc") is not None:
+        nproc = validate_nproc(kwargs["nproc"], arg_where("nproc"))
+    backend = session.backend
+    if kwargs.get("backend") is not None:
+        backend = validate_backend(kwargs["backend"], arg_where("backend"))
+    isolated = False
+    if "isolated" in kwargs:
+        isolated = validate_isolated(kwargs["isolated"], arg_where("isolated"))
+    return ItemSettings(nproc=nproc, backend=backend, isolated=isolated, timeout=session.timeout)
+
+
+# --- what the ranks inherit from the parent's command line --------------------------------------
+
+#: Options whose value the ranks need to see the same tests, fixtures and tracebacks.
+_INHERITED_WITH_VALUE: Final = frozenset(
+    {
+        "-p",
+        "-o",
+        "--override-ini",
+        "--import-mode",
+        "-W",
+        "--pythonwarnings",
+        "--confcutdir",
+        "--tb",
+        "--assert",
+        "--log-level",
+        "--log-format",
+        "--log-date-format",
+    }
+)
+#: Flags with the same role. Everything else (selection, reporting, -x, -n, --lf, --junitxml,
+#: --timeout, -s ...) belongs to the parent alone.
+_INHERITED_FLAGS: Final = frozenset(
+    {
+        "--noconftest",
+        "--runxfail",
+        "-l",
+        "--showlocals",
+        "--full-trace",
+        "--strict-markers",
+        "--strict-config",
+        "--strict",
+    }
+)
+#: Short options whose value may be glued on (``-pNAME``).
+_GLUED_SHORT: Final = frozenset({"-p", "-o", "-W"})
+#: Ini keys the ranks set for themselves: an inherited override of ``addopts`` would bring the
+#: parent's selection back, one of ``cache_dir`` would let the ranks overwrite its cache.
+_RANK_OWNED: Final = frozenset({"addopts", "cache_dir"})
+
+
+def _filter_inherited(args: list[str]) -> list[str]:
+    kept: list[str] = []
+    index = 0
+    while index < len(args):
+        arg = args[index]
+        index += 1
+        if arg in _INHERITED_FLAGS:
+            kept.append(arg)
+            continue
+        option: str | None = None
+        value = ""
+        if arg.startswith("--") and "=" in arg:
+            option, value = arg.split("=", 1)
+        elif arg in _INHERITED_WITH_VALUE and index < len(args):
+            option, value = arg, args[index]
+            index += 1
+        elif arg[:2] in _GLUED_SHORT and len(arg) > 2 and not arg.startswith("--"):
+            option, value = arg[:2], arg[2:]
+        if option not in _INHERITED_WITH_VALUE:
+            continue
+        if option in ("-o", "--override-ini") and value.split("=", 1)[0].strip() in _RANK_OWNED:
+            continue
+        kept += [option, value]
+    return kept
+
+
+def rank_pytest_args(config: pytest.Config) -> list[str]:
+    """The pytest arguments every rank of this session starts with (before its files).
+
+    The parent's effective arguments are, in pytest's order, the ini ``addopts``, then
+    ``PYTEST_ADDOPTS``, then the command line; the ranks inherit the allow-listed part of
+    all three, with ``addopts`` cleared so nothing else comes back in. They also get the
+    parent's rootdir and ini file, so node ids match, and a private cache folder.
+    """
+    effective = [
+        *config.getini("addopts"),
+        *shlex.split(os.environ.get("PYTEST_ADDOPTS", "")),
+        *config.invocation_params.args,
+    ]
+    args = ["-o", "addopts=", f"--rootdir={config.rootpath}"]
+    if config.inipath is not None:
+        args += ["-c", str(config.inipath)]
+    return args + _filter_inherited([str(arg) for arg in effective])

@@ -1,0 +1,203 @@
+"""The narrow wire protocol between the controller (the pytest process) and its ranks.
+
+The controller listens on a localhost TCP socket (port 0, so the OS picks it) and passes the
+address and a one-off token to the ranks through environment variables. Each rank connects back
+once and identifies itself. After that the conversation is strictly lock-step:
+
+    rank -> controller   hello(rank, local_rank, world_size, pid, token)
+    rank -> controller   ready(collection_errors)            once, after collecting its files
+    controller -> rank   run(nodeid, next_nodeid, seed)      one test
+    rank -> controller   report(nodeid, report)               per phase, as soon as it exists
+    rank -> controller   done(nodeid, notes)  | missing(nodeid, detail)
+    controller -> rank   exit()                              end of the group's life
+
+A frame is a 4-byte big-endian length followed by a UTF-8 JSON object with a ``type`` key.
+Reports travel in pytest's own serialisable form (``pytest_report_to_serializable``), the same
+form pytest-xdist uses, so the controller rebuilds genuine ``TestReport`` objects.
+
+This module is imported by both sides; it uses the standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import struct
+from pathlib import Path
+from typing import Any, Final
+
+Message = dict[str, Any]
+
+#: Environment variables the controller sets for torchrun (and so for every rank).
+ENV_CONTROLLER: Final = "FP32KEEP_CONTROLLER"  # "host:port" of the controller socket
+ENV_TOKEN: Final = "FP32KEEP_TOKEN"  # proves that a connection comes from our own ranks
+ENV_RUN_DIR: Final = "FP32KEEP_RUN_DIR"  # per-launch folder: logs, stack dumps, basetemps
+ENV_BACKEND: Final = "FP32KEEP_BACKEND"  # resolved backend: "gloo" or "nccl"
+ENV_PG_TIMEOUT: Final = "FP32KEEP_PG_TIMEOUT"  # process-group timeout in seconds
+
+HELLO: Final = "hello"
+READY: Final = "ready"
+RUN: Final = "run"
+REPORT: Final = "report"
+DONE: Final = "done"
+MISSING: Final = "missing"
+EXIT: Final = "exit"
+
+_HEADER = struct.Struct(">I")
+#: A report with a long traceback and captured output stays far below this; the bound only
+#: protects the controller from a corrupt length prefix.
+MAX_FRAME_BYTES: Final = 256 * 1024 * 1024
+
+
+class ConnectionClosed(ConnectionError):
+    """The peer closed the connection (for the controller: the rank process is gone)."""
+
+
+class ProtocolError(RuntimeError):
+    """A frame that this protocol does not produce arrived on the socket."""
+
+
+def stack_file(run_dir: Path, rank: int) -> Path:
+    """Where ``rank`` writes its Python stacks when it receives SIGUSR1."""
+    return run_dir / f"stacks-rank{rank}.txt"
+
+
+def rank_log(run_dir: Path, rank: int) -> Path:
+    """Where ``rank`` sends its stdout and stderr (outside the per-test capture)."""
+    return run_dir / f"rank{rank}.log"
+
+
+def log_marker(nodeid: str) -> str:
+    """The line a rank writes to its log before running ``nodeid``."""
+    return f"=== fp32keep: running {nodeid} ==="
+
+
+def rank_basetemp(run_dir: Path, rank: int) -> Path:
+    """The ``--basetemp`` of ``rank``'s pytest session (so ``tmp_path`` never collides)."""
+    return run_dir / f"basetemp-rank{rank}"
+
+
+def encode(message: Message) -> bytes:
+    """One frame for ``message``; values JSON cannot hold are sent as their ``repr``."""
+    payload = json.dumps(message, default=repr).encode("utf-8")
+    return _HEADER.pack(len(payload)) + payload
+
+
+class FrameDecoder:
+    """Turns a byte stream into messages; keeps partial frames between calls."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[Message]:
+        """Add ``data`` and return every message that is now complete."""
+        self._buffer += data
+        messages: list[Message] = []
+        while len(self._buffer) >= _HEADER.size:
+            (length,) = _HEADER.unpack_from(self._buffer)
+            if length > MAX_FRAME_BYTES:
+                raise ProtocolError(f"frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
+            end = _HEADER.size + length
+            if len(self._buffer) < end:
+                break
+            message = json.loads(bytes(self._buffer[_HEADER.size : end]).decode("utf-8"))
+            del self._buffer[:end]
+            if not isinstance(message, dict) or "type" not in message:
+                raise ProtocolError(f"frame is not a message: {message!r:.200}")
+            messages.append(message)
+        return messages
+
+
+class Channel:
+    """A framed, message-oriented view of one connected socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        # Requests and reports are small writes answered at once: without TCP_NODELAY,
+        # Nagle's algorithm and delayed ACKs add ~40 ms to every round trip.
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self._decoder = FrameDecoder()
+        self._pending: list[Message] = []
+
+    def fileno(self) -> int:
+        """The socket's descriptor, so a channel can be registered with ``selectors``."""
+        return self.sock.fileno()
+
+    def send(self, message: Message) -> None:
+        """Send one message (blocking, bounded by the socket's timeout)."""
+        self.sock.sendall(encode(message))
+
+    def receive(self) -> Message:
+        """Block until one message arrives (rank side: the controller paces the ranks)."""
+        while not self._pending:
+            data = self.sock.recv(65536)
+            if not data:
+                raise ConnectionClosed("controller closed the connection")
+            self._pending.extend(self._decoder.feed(data))
+        return self._pending.pop(0)
+
+    def read_available(self) -> list[Message]:
+        """After ``select`` reported the socket readable: read once, return whole messages.
+
+        Raises ``ConnectionClosed`` at end of stream; messages that completed before the end
+        are returned by the previous calls, never lost.
+        """
+        try:
+            data = self.sock.recv(65536)
+        except (ConnectionResetError, BrokenPipeError) as exc:
+            raise ConnectionClosed(str(exc)) from exc
+        if not data:
+            raise ConnectionClosed("peer closed the connection")
+        messages = self._pending + self._decoder.feed(data)
+        self._pending = []
+        return messages
+
+    def close(self) -> None:
+        """Close the socket; safe to call twice."""
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+def hello(rank: int, local_rank: int, world_size: int, token: str) -> Message:
+    """First message of a rank: who it is (the controller signals it by ``pid``)."""
+    return {
+        "type": HELLO,
+        "rank": rank,
+        "local_rank": local_rank,
+        "world_size": world_size,
+        "pid": os.getpid(),
+        "token": token,
+    }
+
+
+def ready(collection_errors: list[str]) -> Message:
+    """The rank collected its files and initialised its process group."""
+    return {"type": READY, "collection_errors": collection_errors}
+
+
+def run(nodeid: str, next_nodeid: str | None, seed: int) -> Message:
+    """Run one test; ``next_nodeid`` tells pytest which fixtures to keep for the next one."""
+    return {"type": RUN, "nodeid": nodeid, "next_nodeid": next_nodeid, "seed": seed}
+
+
+def report(nodeid: str, data: dict[str, Any]) -> Message:
+    """One phase report, in pytest's serialisable form."""
+    return {"type": REPORT, "nodeid": nodeid, "report": data}
+
+
+def done(nodeid: str, notes: list[str]) -> Message:
+    """The test finished on this rank; ``notes`` carries rank-side remarks for the report."""
+    return {"type": DONE, "nodeid": nodeid, "notes": notes}
+
+
+def missing(nodeid: str, detail: str) -> Message:
+    """The rank's own collection holds no test with this id."""
+    return {"type": MISSING, "nodeid": nodeid, "detail": detail}
+
+
+def exit_message() -> Message:
+    """Finish the pytest session (session fixtures tear down) and leave."""
+    return {"type": EXIT}

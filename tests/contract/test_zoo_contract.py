@@ -1,0 +1,49 @@
+"""Every zoo model runs the full contract in two ranks, or is refused where FSDP2 cannot keep it.
+
+Entries missing from the installed Transformers (Afmoe before 5.x) skip with the reason, decided
+in the parent before any rank starts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from fp32keep import KeepLayoutError
+from pytest_fp32keep import assert_fp32_keep_contract
+from pytest_fp32keep.zoo import ZOO, ZooEntry, available_entries
+
+AVAILABILITY = available_entries()
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def case(name: str, dtype: str) -> object:
+    marks = []
+    if name in AVAILABILITY.unavailable:
+        marks.append(pytest.mark.skip(reason=AVAILABILITY.unavailable[name]))
+    return pytest.param(name, dtype, id=f"{name}-{dtype}", marks=marks)
+
+
+@pytest.mark.fsdp2
+@pytest.mark.parametrize(("name", "dtype"), [case(n, d) for n in ZOO for d in DTYPES])
+def test_zoo_model_keeps_the_contract(fsdp2_mesh: DeviceMesh, name: str, dtype: str) -> None:
+    entry: ZooEntry = ZOO[name]
+    low = DTYPES[dtype]
+
+    def run() -> object:
+        return assert_fp32_keep_contract(
+            entry.build,
+            lambda model: entry.make_batch(model, 0),
+            mesh=fsdp2_mesh,
+            dtype=low,
+            autocast=True,
+        )
+
+    if entry.expect_layout_error and low in entry.dtypes:
+        with pytest.raises(KeepLayoutError) as error:
+            run()
+        assert error.value.problems, "a refusal must name the tensors"
+        return
+    report = run()
+    assert report.ok  # type: ignore[attr-defined]

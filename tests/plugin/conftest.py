@@ -1,0 +1,27 @@
+"""Fixtures for the plugin's own tests: inner projects driven through real pytest sessions."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.plugin._inner import TAG_VARIABLE, InnerProject, new_tag
+
+
+@pytest.fixture
+def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Iterator[InnerProject]:
+    """An inner project (pytester) whose pytest, torchrun and ranks carry a unique tag."""
+    tag = new_tag()
+    monkeypatch.setenv(TAG_VARIABLE, tag)
+    project = InnerProject(pytester.path, tag, pytester)
+    yield project
+    project.kill_leftovers()
+
+
+@pytest.fixture(scope="module")
+def module_inner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InnerProject]:
+    """An inner project shared by the checks of one module (one expensive session)."""
+    project = InnerProject(tmp_path_factory.mktemp("inner"), new_tag())
+    yield project
+    project.kill_leftovers()

@@ -1,0 +1,247 @@
+"""Faults in the ranks: each one fails its test with a useful report, and the session goes on.
+
+One inner session (``--fsdp-timeout=10``, so the process-group timeout is 70 s) runs each fault
+followed by a passing test, which must get fresh ranks; at the end nothing is left running.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.plugin._inner import (
+    WALL_CLOCK_CONFTEST,
+    InnerProject,
+    failure_section,
+    leftover_processes,
+)
+
+INNER_TESTS = """
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rankrec import record
+
+pytestmark = pytest.mark.fsdp2
+
+
+def ok(name):
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    assert value.item() == 2
+    record("ok", test=name)
+
+
+def test_ok_first():
+    ok("first")
+
+
+def test_raise_while_peer_waits(fsdp2_rank):
+    if fsdp2_rank == 1:
+        raise ValueError("boom on rank 1")
+    dist.all_reduce(torch.ones(1))
+
+
+def test_ok_after_raise():
+    ok("after_raise")
+
+
+def test_exit_code(fsdp2_rank):
+    if fsdp2_rank == 1:
+        os._exit(3)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_ok_after_exit():
+    ok("after_exit")
+
+
+def test_killed_by_signal(fsdp2_rank):
+    if fsdp2_rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_ok_after_signal():
+    ok("after_signal")
+
+
+def test_skip_while_peer_waits(fsdp2_rank):
+    if fsdp2_rank == 1:
+        pytest.skip("rank 1 has nothing to do")
+    dist.all_reduce(torch.ones(1))
+
+
+def test_ok_after_skip():
+    ok("after_skip")
+
+
+@pytest.mark.xfail(reason="rank 1 cannot do this yet", raises=NotImplementedError, strict=True)
+def test_xfail_while_peer_waits(fsdp2_rank):
+    if fsdp2_rank == 1:
+        raise NotImplementedError("not on rank 1")
+    dist.all_reduce(torch.ones(1))
+
+
+def test_ok_after_xfail():
+    ok("after_xfail")
+
+
+def test_hang_until_fsdp_timeout():
+    def hang_here():
+        while True:
+            time.sleep(0.05)
+
+    hang_here()
+
+
+def test_ok_after_hang():
+    ok("after_hang")
+
+
+@pytest.mark.timeout(5)
+def test_hang_until_pytest_timeout():
+    # pytest-timeout also runs in the ranks; ignore it here so that the parent's timer (the
+    # one under test) is what ends this test.
+    signal.signal(signal.SIGALRM, signal.SIG_IGN)
+
+    def wait_forever_here():
+        while True:
+            time.sleep(0.05)
+
+    wait_forever_here()
+
+
+def test_ok_last():
+    ok("last")
+"""
+
+
+@pytest.fixture(scope="module")
+def session(module_inner: InnerProject) -> tuple[InnerProject, pytest.RunResult]:
+    """The inner session, run once for every check of this module."""
+    module_inner.write(test_faults=INNER_TESTS, conftest=WALL_CLOCK_CONFTEST)
+    result = module_inner.run("-rA", "--fsdp-timeout=10")
+    return module_inner, result
+
+
+def section(session: tuple[InnerProject, pytest.RunResult], test: str) -> str:
+    return failure_section(session[1].stdout.str(), test)
+
+
+def test_faults_fail_and_every_later_test_passes(
+    session: tuple[InnerProject, pytest.RunResult],
+) -> None:
+    _, result = session
+    result.assert_outcomes(passed=8, failed=6, xfailed=1)
+    result.stdout.fnmatch_lines_random(
+        [
+            "PASSED test_faults.py::test_ok_first",
+            "PASSED test_faults.py::test_ok_after_raise",
+            "PASSED test_faults.py::test_ok_after_exit",
+            "PASSED test_faults.py::test_ok_after_signal",
+            "PASSED test_faults.py::test_ok_after_skip",
+            "PASSED test_faults.py::test_ok_after_xfail",
+            "PASSED test_faults.py::test_ok_after_hang",
+            "PASSED test_faults.py::test_ok_last",
+        ]
+    )
+
+
+def test_each_fault_is_followed_by_fresh_ranks(
+    session: tuple[InnerProject, pytest.RunResult],
+) -> None:
+    project, _ = session
+    by_test: dict[str, set[int]] = {}
+    for record in project.records("ok"):
+        by_test.setdefault(record["test"], set()).add(record["pid"])
+    assert len(by_test) == 8 and all(len(pids) == 2 for pids in by_test.values()), by_test
+    every_pid = [pid for pids in by_test.values() for pid in pids]
+    assert len(set(every_pid)) == 16, f"a group was reused after a fault: {by_test}"
+
+
+def test_raise_while_peer_waits_reports_the_real_error_within_seconds(
+    session: tuple[InnerProject, pytest.RunResult],
+) -> None:
+    project, _ = session
+    text = section(session, "test_raise_while_peer_waits")
+    assert "root cause: rank 1 (first to fail)" in text
+    assert "ValueError: boom on rank 1" in text
+    assert "did not finish within 3 s after rank 1 failed" in text
+    assert "in test_raise_while_peer_waits" in text and "in all_reduce" in text  # rank 0's stack
+    wall = project.wall_times()["test_faults.py::test_raise_while_peer_waits"]
+    assert wall < 30, f"took {wall:.1f} s: waited for the process-group timeout (70 s)?"
+
+
+def test_skip_on_one_rank_while_the_other_waits_fails_within_seconds(
+    session: tuple[InnerProject, pytest.RunResult],
+) -> None:
+    project, _ = session
+    text = section(session, "test_skip_while_peer_waits")
+    assert "call failed on rank 0 of 2 (rank 1 skipped)" in text
+    assert "no rank failed by itself: stuck after rank 1 skipped" in text
+    assert "skipped: rank 1 has nothing to do" in text
+    assert project.wall_times()["test_faults.py::test_skip_while_peer_waits"] < 30
+
+
+def test_xfail_on_one_rank_while_the_other_waits_is_an_xfail(
+    session: tuple[InnerProject, pytest.RunResult],
+) -> None:
+    project, result = session
+    result.stdout.fnmatch_lines(
+        ["XFAIL test_faults.py::test_xfail_while_peer_waits - rank 1 cannot do this yet"]
+    )
+    assert project.wall_times()["test_faults.py::test_xfail_while_peer_waits"] < 30
+
+
+def test_exit_code_names_the_rank(session: tuple[InnerProject, pytest.RunResult]) -> None:
+    text = section(session, "test_exit_code")
+    assert "root cause: rank 1 (first to fail)" in text
+    assert "exited with code 3 while running the test" in text
+    # Rank 0 is either stopped by torchrun or fails in its all_reduce first (gloo sees the
+    # peer's socket close); either way it is listed, after the root cause.
+    assert re.search(r"^-+ rank 0 -+$", text, flags=re.M), text
+
+
+def test_signal_names_the_rank(session: tuple[InnerProject, pytest.RunResult]) -> None:
+    text = section(session, "test_killed_by_signal")
+    assert "root cause: rank 0 (first to fail)" in text
+    assert "killed by signal 9 (SIGKILL) while running the test" in text
+    _, result = session
+    result.stdout.fnmatch_lines(["FAILED test_faults.py::test_killed_by_signal - [[]rank 0[]] k*"])
+
+
+def test_hang_reports_every_rank_stack_after_the_timeout(
+    session: tuple[InnerProject, pytest.RunResult],
+) -> None:
+    project, _ = session
+    text = section(session, "test_hang_until_fsdp_timeout")
+    assert "no rank failed by itself: still running after --fsdp-timeout=10 s" in text
+    # Both ranks' stacks: merged when identical (the usual case), else one block each.
+    assert ("ranks 0,1" in text and "in hang_here" in text) or text.count("in hang_here") == 2
+    wall = project.wall_times()["test_faults.py::test_hang_until_fsdp_timeout"]
+    assert 10 <= wall < 40, wall
+
+
+def test_pytest_timeout_in_the_parent_also_dumps_and_kills(
+    session: tuple[InnerProject, pytest.RunResult],
+) -> None:
+    project, _ = session
+    text = section(session, "test_hang_until_pytest_timeout")
+    assert (
+        "was killed because the test was interrupted: Timeout (>5.0s) from pytest-timeout" in text
+    )
+    assert "in wait_forever_here" in text
+    wall = project.wall_times()["test_faults.py::test_hang_until_pytest_timeout"]
+    assert wall < 10, f"{wall:.1f} s: the fsdp timeout (10 s) ended it, not pytest-timeout"
+
+
+def test_no_process_left(session: tuple[InnerProject, pytest.RunResult]) -> None:
+    project, _ = session
+    assert leftover_processes(project.tag) == []

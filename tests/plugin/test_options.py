@@ -1,0 +1,199 @@
+"""Options, ini keys and the marker: help, validation, and what is decided in the pytest process.
+
+No test here starts a rank; the last one proves that by records the bodies would leave and by
+the absence of the folder the controller creates on its first launch.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.plugin._inner import InnerProject
+
+
+def test_help_lists_options_with_defaults_and_ini_keys(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest("--help")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(
+        [
+            "*FSDP2 multi-rank tests (pytest-fp32keep)*",
+            "*--fsdp-nproc=N*",
+            "*--fsdp-backend={auto,gloo,nccl}*",
+            "*--fsdp-timeout=SECONDS*",
+            "*fsdp_nproc (string):*",
+            "*fsdp_backend (string):*",
+            "*fsdp_timeout (string):*",
+        ]
+    )
+    text = " ".join(result.stdout.str().split())
+    assert "(default: 2; ini key: fsdp_nproc)" in text
+    assert "(default: auto; ini key: fsdp_backend)" in text
+    assert "(default: 300; ini key: fsdp_timeout)" in text
+
+
+def test_marker_is_registered(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest("--markers")
+    result.stdout.fnmatch_lines(["@pytest.mark.fsdp2(nproc=None, backend=None, isolated=False):*"])
+
+
+@pytest.mark.parametrize(
+    ("arg", "message"),
+    [
+        ("--fsdp-nproc=0", "--fsdp-nproc=0: expected a positive integer number of ranks, got '0'"),
+        ("--fsdp-nproc=-2", "--fsdp-nproc=-2: expected a positive integer number of ranks"),
+        ("--fsdp-nproc=two", "--fsdp-nproc=two: expected a positive integer number of ranks"),
+        ("--fsdp-backend=mpi", "--fsdp-backend=mpi: expected one of auto, gloo, nccl, got 'mpi'"),
+        ("--fsdp-timeout=0", "--fsdp-timeout=0: expected a positive number of seconds, got '0'"),
+        ("--fsdp-timeout=-5", "--fsdp-timeout=-5: expected a positive number of seconds"),
+        ("--fsdp-timeout=soon", "--fsdp-timeout=soon: expected a positive number of seconds"),
+        ("--fsdp-timeout=nan", "--fsdp-timeout=nan: expected a positive number of seconds"),
+    ],
+)
+def test_invalid_option_is_a_usage_error_naming_it(
+    pytester: pytest.Pytester, arg: str, message: str
+) -> None:
+    pytester.makepyfile("def test_nothing(): pass")
+    result = pytester.runpytest(arg)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: {message}*"])
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("fsdp_nproc = 0", "ini key 'fsdp_nproc' in *tox.ini: expected a positive integer"),
+        ("fsdp_backend = cuda", "ini key 'fsdp_backend' in *tox.ini: expected one of auto, gloo"),
+        ("fsdp_timeout = -1", "ini key 'fsdp_timeout' in *tox.ini: expected a positive number"),
+    ],
+)
+def test_invalid_ini_value_is_a_usage_error_naming_the_key(
+    pytester: pytest.Pytester, line: str, message: str
+) -> None:
+    pytester.makeini(f"[pytest]\n{line}\n")
+    pytester.makepyfile("def test_nothing(): pass")
+    result = pytester.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: {message}*"])
+
+
+def test_command_line_overrides_ini(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\nfsdp_backend = gloo\n")
+    pytester.makepyfile("def test_nothing(): pass")
+    result = pytester.runpytest("--fsdp-backend=bogus")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: --fsdp-backend=bogus: expected one of*"])
+
+
+def test_invalid_marker_arguments_are_errors_of_their_tests(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_bad="""
+        import pytest
+
+        @pytest.mark.fsdp2(nproc=0)
+        def test_zero(): pass
+
+        @pytest.mark.fsdp2(nproc=True)
+        def test_bool(): pass
+
+        @pytest.mark.fsdp2(backend="mpi")
+        def test_backend(): pass
+
+        @pytest.mark.fsdp2(isolated="yes")
+        def test_isolated(): pass
+
+        @pytest.mark.fsdp2(2, nproc=2)
+        def test_twice(): pass
+
+        @pytest.mark.fsdp2(ranks=2)
+        def test_unknown(): pass
+        """
+    )
+    result = pytester.runpytest("--strict-markers", "-v")
+    result.assert_outcomes(errors=6)
+    prefix = "*@pytest.mark.fsdp2"
+    result.stdout.fnmatch_lines_random(
+        [
+            f"{prefix}(nproc=0) on test_bad.py::test_zero: expected a positive integer*got 0",
+            f"{prefix}(nproc=True) on test_bad.py::test_bool: expected a positive integer*",
+            f"{prefix}(backend='mpi') on test_bad.py::test_backend: expected one of auto, gloo*",
+            f"{prefix}(isolated='yes') on test_bad.py::test_isolated: expected True or False*",
+            f"{prefix} on test_bad.py::test_twice: nproc given both positionally and as nproc=*",
+            f"{prefix} on test_bad.py::test_unknown: unknown argument(s) ranks;*",
+        ]
+    )
+    assert "fsdp2: started" not in result.stdout.str()
+
+
+def test_parent_decides_skips_and_refuses_fixtures_without_importing_torch(
+    inner: InnerProject,
+) -> None:
+    inner.write(
+        conftest="""
+        import json, sys
+        from pathlib import Path
+
+        def pytest_unconfigure(config):
+            torch_modules = sorted(m for m in sys.modules if m.split(".")[0] == "torch")
+            (Path(__file__).parent / "torch_modules.json").write_text(json.dumps(torch_modules))
+        """
+    )
+    inner.write(
+        test_decide="""
+        import sys
+        import pytest
+        from rankrec import record
+
+        def test_unmarked_first():
+            assert "torch" not in sys.modules
+
+        @pytest.mark.fsdp2
+        @pytest.mark.skip(reason="not today")
+        def test_skip_mark():
+            record("ran")
+
+        @pytest.mark.fsdp2
+        @pytest.mark.skipif("sys.platform != 'nowhere'", reason="condition holds")
+        def test_skipif_mark():
+            record("ran")
+
+        @pytest.mark.fsdp2
+        @pytest.mark.xfail(run=False, reason="never run")
+        def test_xfail_not_run():
+            record("ran")
+
+        @pytest.mark.fsdp2(nproc=64, backend="nccl")
+        def test_needs_gpus():
+            record("ran")
+
+        def test_rank_fixture_outside_ranks(fsdp2_rank):
+            pass
+
+        def test_mesh_fixture_outside_ranks(fsdp2_mesh):
+            pass
+
+        def test_probe_fixture_outside_ranks(dtype_probe):
+            pass
+
+        def test_unmarked_last():
+            assert "torch" not in sys.modules
+        """
+    )
+    result = inner.run("--strict-markers", "-v", "-rA")
+    result.assert_outcomes(passed=2, skipped=3, xfailed=1, errors=3)
+    result.stdout.fnmatch_lines_random(
+        [
+            "SKIPPED [[]1[]] test_decide.py:*: not today",
+            "SKIPPED [[]1[]] test_decide.py:*: condition holds",
+            "SKIPPED [[]1[]] test_decide.py:*: fsdp2: backend nccl needs 64 CUDA devices "
+            "(one per rank), * visible here",
+            "XFAIL*test_decide.py::test_xfail_not_run - *never run",
+            "*the fixture 'fsdp2_rank' is available only inside tests marked @pytest.mark.fsdp2*",
+            "*the fixture 'fsdp2_mesh' is available only inside tests marked @pytest.mark.fsdp2*",
+            "*the fixture 'dtype_probe' is available only inside tests marked @pytest.mark.fsdp2*",
+        ]
+    )
+    assert inner.records("ran") == []
+    assert json.loads((inner.path / "torch_modules.json").read_text()) == []
+    assert not list(inner.path.glob("runpytest-*/fsdp2")), "a group of ranks was started"
