@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from fp32keep import KeepLayoutError
+from fp32keep import KeepLayoutError, resolve_keep_plan
 from pytest_fp32keep.contract import CHECKS, ContractViolation, assert_fp32_keep_contract
 from pytest_fp32keep.targets import Target, resolve_targets
 
@@ -43,7 +43,8 @@ def _run_case(
         "target": target.name,
         "dtype": dtype_name,
         "context": f"{'autocast' if autocast else 'direct'}{', prefetch' if prefetch else ''}",
-        "expect_layout_error": dtype_name in target.refused_dtypes,
+        "expect_layout_error": target.expect_layout_error
+        and not resolve_keep_plan(target.build(), DTYPES[dtype_name]).is_empty,
         "status": {},
         "kept": [],
         "failures": [],

@@ -124,8 +124,28 @@ class Fsdp2Controller:
         ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
         for report in self._reports_for(item, nextitem):
             ihook.pytest_runtest_logreport(report=report)
+        self._teardown_parent_collectors(item, nextitem)
         ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
         return True
+
+    @staticmethod
+    def _teardown_parent_collectors(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+        """Keep the pytest process's setup stack in step, as pytest's own teardown would.
+
+        Marked tests never set anything up here, but the unmarked tests before them may have
+        (a package or module fixture): those collectors must be finalised when the run leaves
+        them, or the next unmarked test finds the stack out of step ("previous item was not
+        torn down properly"). A finaliser that raises is reported as this test's teardown error.
+        """
+        setupstate = getattr(item.session, "_setupstate", None)
+        if setupstate is None:  # pragma: no cover - a pytest without the private attribute
+            return
+        call = pytest.CallInfo.from_call(
+            lambda: setupstate.teardown_exact(nextitem), when="teardown"
+        )
+        if call.excinfo is not None:
+            report = pytest.TestReport.from_item_and_call(item, call)
+            item.ihook.pytest_runtest_logreport(report=report)
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         """With ``-v``: how many groups of ranks this session started."""

@@ -60,7 +60,7 @@ def test_list_names_the_zoo(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", "--list"]) == 0
     out = capsys.readouterr().out
     assert "t5" in out
-    assert "rwkv  (expects KeepLayoutError under fp16)" in out
+    assert "rwkv  (expects KeepLayoutError where its plan keeps anything)" in out
 
 
 def run_cli(*argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from fp32keep import KeepLayoutError
+from fp32keep import KeepLayoutError, resolve_keep_plan
 from pytest_fp32keep import assert_fp32_keep_contract
 from pytest_fp32keep.zoo import ZOO, ZooEntry, available_entries
 
@@ -40,7 +40,8 @@ def test_zoo_model_keeps_the_contract(fsdp2_mesh: DeviceMesh, name: str, dtype: 
             autocast=True,
         )
 
-    if entry.expect_layout_error and low in entry.dtypes:
+    # Which dtypes keep anything depends on the installed Transformers (5.0.0 has no gate).
+    if entry.expect_layout_error and not resolve_keep_plan(entry.build(), low).is_empty:
         with pytest.raises(KeepLayoutError) as error:
             run()
         assert error.value.problems, "a refusal must name the tensors"
