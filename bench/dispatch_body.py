@@ -1,0 +1,71 @@
+"""The one test body every dispatch arm runs: a forward and backward of a tiny FSDP2 model.
+
+Imported by the generated test files of ``bench_dispatch.py`` (plugin and PyTorch-harness arms)
+and run as a script by its torchrun arm, so the work per test is byte-for-byte the same in every
+arm and only the way ranks are started and fed differs:
+
+    torchrun --standalone --nproc-per-node=2 bench/dispatch_body.py INDEX
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+IN_FEATURES = 32
+BATCH = 4
+
+
+def tiny_fsdp2_step(index: int, mesh: Any = None) -> float:
+    """Shard a three-layer MLP (a unit per linear plus the root), run forward and backward.
+
+    ``index`` seeds the weights and the batch, so the 50+ tests differ the way parametrized
+    tests do. Returns the loss; raises if a rank's gradients came back missing or not finite.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    if mesh is None:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(index)
+    model = nn.Sequential(
+        nn.Linear(IN_FEATURES, IN_FEATURES),
+        nn.ReLU(),
+        nn.Linear(IN_FEATURES, IN_FEATURES),
+        nn.ReLU(),
+        nn.Linear(IN_FEATURES, 8),
+    )
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    batch = torch.randn(BATCH, IN_FEATURES)
+    loss = model(batch).pow(2).mean()
+    loss.backward()
+    for name, param in model.named_parameters():
+        grad = param.grad
+        if not isinstance(grad, DTensor) or not bool(torch.isfinite(grad.full_tensor()).all()):
+            raise AssertionError(f"{name}: gradient missing or not finite")
+    return float(loss.item())
+
+
+def main(argv: list[str]) -> int:
+    """torchrun entry point: one test, then tear the process group down (as a per-test script
+    of verl or accelerate does)."""
+    index = int(argv[0]) if argv else 0
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    try:
+        tiny_fsdp2_step(index)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
