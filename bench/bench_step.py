@@ -394,10 +394,10 @@ def _report(
     arithmetic = _paired(data, "local-kept", "local-plain", ratio=False) * 1e3
     result.notes.append(
         f"Where the time goes (medians of per-round differences): (c) - (a) = {grouped_gap:.1f} "
-        f"ms per step; the same keep-aware cast without FSDP costs {arithmetic:.1f} ms more than "
-        "plain bf16 (FP32 norm and router arithmetic, which any correct layout pays); (b) - (a) "
-        f"is {per_unit:.2f} ms per extra FSDP unit (hooks, copies, a small all-gather in forward "
-        "and again in backward, a reduce-scatter)."
+        f"ms per step; without FSDP, the keep-aware cast takes {arithmetic:+.1f} ms against plain "
+        "bf16 (the FP32 norm and router arithmetic alone, which any correct layout pays); "
+        f"(b) - (a) is {per_unit:.2f} ms per extra FSDP unit (hooks, copies, a small all-gather "
+        "in forward and again in backward, a reduce-scatter)."
     )
     result.notes.append(
         "Collectives were counted in one untimed step per arm with a TorchDispatchMode that sees "

@@ -128,10 +128,10 @@ def render(
     load_start: str,
     load_end: str,
     seconds: float,
+    found: dict[str, str],
 ) -> str:
-    """The whole RESULTS.md."""
+    """The whole RESULTS.md; ``found`` are the versions taken when the run started."""
     machine = machine_summary()
-    found = versions()
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         "# Benchmark results",
@@ -186,6 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unknown benchmark(s) {unknown}; choose from {list(BENCHMARKS)}")
     started = time.perf_counter()
     load_start = load_average()
+    found = versions()  # before the run: the commit and tree state that were measured
     results: list[BenchResult] = []
     for name in BENCHMARKS:
         if name not in args.only:
@@ -200,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if set(args.only) != set(BENCHMARKS):
         command += f" --only {','.join(args.only)}"
     elapsed = time.perf_counter() - started
-    report = render(results, command, args.quick, load_start, load_average(), elapsed)
+    report = render(results, command, args.quick, load_start, load_average(), elapsed, found)
     output: Path = args.output if args.output.is_absolute() else Path.cwd() / args.output
     output.write_text(report)
     print(f"\nwrote {output}")
