@@ -354,6 +354,29 @@ def test_load_small_buckets_is_exact(mesh: DeviceMesh) -> None:
     assert_loaded(model, source)
 
 
+@pytest.mark.parametrize("checkpoint_dtype", [FP32, BF16], ids=["fp32", "bf16"])
+def test_load_direct_scatter_and_buckets_mixed_are_exact(
+    mesh: DeviceMesh, checkpoint_dtype: torch.dtype
+) -> None:
+    # vocab 15 splits unevenly over 2 ranks (embed, head go through buckets); every other tensor
+    # splits evenly and, with direct_bytes=0, is scattered straight into its local shard.
+    torch.manual_seed(0)
+    model = stack_class(strict=["wo"])(vocab=15)
+    plan = fp32keep.resolve_keep_plan(model, BF16, transformers_version=SEMANTICS)
+    fp32keep.keep_aware_cast(model, BF16, plan=plan)
+    fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=BF16_POLICY, plan=plan)
+    torch.manual_seed(5)
+    source = {
+        k: v.to(checkpoint_dtype)
+        for k, v in stack_class(strict=["wo"])(vocab=15).state_dict().items()
+    }
+    fp32keep.load_full_state_dict(
+        model, source if rank() == 0 else None, direct_bytes=0, bucket_bytes=64
+    )
+    assert_loaded(model, source)
+    assert model.layers[0].wo.weight.to_local().dtype == FP32
+
+
 def test_load_from_rank_1(mesh: DeviceMesh) -> None:
     model = sharded_kept_stack(mesh)
     source = fresh_full_state()
