@@ -51,4 +51,5 @@ if rank == 0:
         f"loss {loss.item():.4f}; stored wo shard: {wo.to_local().dtype}; "
         f"other weights: {model.shared.weight.to_local().dtype}"
     )
+dist.barrier()  # let every rank finish its last collective before the group goes away
 dist.destroy_process_group()

@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                     dist.barrier()
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps({"device": device, "cases": cases}, indent=2))
+    dist.barrier()  # every rank done with its last collective before the group goes away
     dist.destroy_process_group()
     return 0
 

@@ -30,6 +30,10 @@ def test_runs_for_ever():
 START_TIMEOUT_S = 300.0
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_until_ranks_run(inner: InnerProject) -> subprocess.Popen[str]:
     """Start an inner pytest and return once both ranks are inside the test body."""
     inner.write(test_forever=INNER_TESTS)
@@ -39,6 +43,9 @@ def start_until_ranks_run(inner: InnerProject) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        # A shell starts background jobs with SIGINT ignored, and children inherit that: give
+        # the inner pytest the default handler, as an interactive Ctrl-C would find it.
+        preexec_fn=_default_sigint,
     )
     deadline = time.monotonic() + START_TIMEOUT_S
     while len(inner.records("started")) < 2:
