@@ -1,6 +1,6 @@
 """Full-state-dict load into an FSDP2 model: fp32keep against DCP and a broadcast loop.
 
-    python bench/bench_load.py [--quick] [--prototype] [--json OUT]
+    python bench/bench_load.py [--quick] [--json OUT]
 
 A Llama (``transformers.LlamaForCausalLM``; about 338M parameters, 1.35 GB in FP32 by default)
 is built on the meta device on every rank and sharded with ``fully_shard`` per decoder layer plus
@@ -252,14 +252,8 @@ def _loaders() -> dict[str, Loader]:
 
         return load
 
-    def load_proposed(model: Any, state_dict: Mapping[str, Any] | None, bucket: int) -> None:
-        from load_prototype import load_full_state_dict_direct
-
-        load_full_state_dict_direct(model, state_dict, bucket_bytes=bucket)
-
     return {
         "fp32keep": load_fp32keep,
-        "proposed": load_proposed,
         "dcp": load_dcp,
         "broadcast": broadcast_loop(0),
         "broadcast-local": broadcast_loop(None),
@@ -325,14 +319,9 @@ def run_process(
         measured["hashes"][rank].add(data["hash"])
 
 
-PROPOSED = "proposed: direct scatter, 256 MiB"
-
-
-def arms_for(quick: bool, buckets: Sequence[int], prototype: bool) -> list[Arm]:
+def arms_for(quick: bool, buckets: Sequence[int]) -> list[Arm]:
     """The arms of one run: fp32keep at each bucket size, then the alternatives."""
     arms = [Arm(f"fp32keep {b} MiB", "fp32keep", b) for b in buckets]
-    if prototype:
-        arms.append(Arm(PROPOSED, "proposed", 256))
     arms += [Arm("dcp", "dcp"), Arm("broadcast", "broadcast")]
     if not quick:
         arms.append(Arm("broadcast-local", "broadcast-local"))
@@ -343,9 +332,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="small model, one process per arm")
     parser.add_argument("--json", type=Path, help="write the result here as JSON")
-    parser.add_argument(
-        "--prototype", action="store_true", help="add the proposed loader (load_prototype.py)"
-    )
     parser.add_argument("--processes", type=int, help="fresh torchruns per arm")
     parser.add_argument("--repeats", type=int, help="loads per process (median over all)")
     parser.add_argument(
@@ -368,7 +354,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     repeats = args.repeats or (2 if quick else 3)
     buckets = args.buckets or ([256] if quick else [64, 256, 1024])
     command = "python bench/bench_load.py" + (" --quick" if quick else "")
-    command += " --prototype" if args.prototype else ""
     result = BenchResult(
         name="load",
         title="Full-state-dict load (2 ranks, gloo, CPU)",
@@ -378,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     params, nbytes = config_bytes(quick)
     ceiling = median(copy_ceiling(nbytes, 5))
-    arms = arms_for(quick, buckets, args.prototype)
+    arms = arms_for(quick, buckets)
     measured = {arm.label: empty_measurement() for arm in arms}
     # Round-robin over the arms (not arm after arm), so a burst of load from elsewhere on the
     # machine spreads over every arm instead of landing on one.
@@ -447,9 +432,7 @@ def _report(
         key=lambda label: median(measured[label]["seconds"]),
     )
     default_label = next((label for label in measured if label == "fp32keep 256 MiB"), ours_label)
-    alternatives = [
-        label for label in measured if not label.startswith("fp32keep") and label != PROPOSED
-    ]
+    alternatives = [label for label in measured if not label.startswith("fp32keep")]
     fastest_alt = min(alternatives, key=lambda label: median(measured[label]["seconds"]))
     ours = median(measured[default_label]["seconds"])
     speedup = median(measured[fastest_alt]["seconds"]) / ours
@@ -461,17 +444,6 @@ def _report(
             ">= 1.5x",
         )
     )
-    if PROPOSED in measured:
-        proposed = median(measured[fastest_alt]["seconds"]) / median(measured[PROPOSED]["seconds"])
-        proposed_peak = median(measured[PROPOSED]["peak_mib"][1])
-        result.targets.append(
-            Target(
-                f"speed: proposed loader (load_prototype.py, not in the library) vs {fastest_alt}",
-                f"{proposed:.2f}x; non-source peak {proposed_peak:.0f} MiB",
-                proposed >= 1.5,
-                ">= 1.5x",
-            )
-        )
     smaller_peak = min(median(measured[label]["peak_mib"][1]) for label in alternatives)
     our_peak = median(measured[default_label]["peak_mib"][1])
     result.targets.append(

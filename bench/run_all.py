@@ -36,7 +36,7 @@ from _common import (
 
 BENCHMARKS = ("startup", "dispatch", "step", "load")
 """Run order: the cheap, load-sensitive start-up figure first, the memory-hungry load last."""
-PROTOTYPED = ("load", "step")
+PROTOTYPED = ("step",)
 """Benchmarks that take ``--prototype`` (an extra arm for a proposed library change)."""
 TITLES = {
     "startup": "Start-up cost of the plugin",
@@ -178,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--prototypes",
         action="store_true",
-        help="add the proposed library changes (load_prototype.py, layout_prototype.py) as arms",
+        help="add the proposed library changes (layout_prototype.py) as arms",
     )
     args = parser.parse_args(argv)
     unknown = sorted(set(args.only) - set(BENCHMARKS))
