@@ -187,12 +187,11 @@ def _agree(
     state_dict: Mapping[str, object] | None,
     targets: Sequence[_Target],
     src_rank: int,
-    group: dist.ProcessGroup | None,
 ) -> None:
     rank = dist.get_rank()
     local = (state_dict is not None, _fingerprint(targets))
-    gathered: list[tuple[bool, str] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, local, group=group)
+    gathered: list[tuple[bool, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
     holders = [r for r, info in enumerate(gathered) if info is not None and info[0]]
     if holders != [src_rank]:
         where = f"ranks {holders}" if holders else "no rank"
@@ -213,8 +212,8 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
         model.to_empty(device=device)
 
 
-def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
-    if dist.get_backend(group) == "nccl":
+def _comm_device() -> torch.device:
+    if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -411,7 +410,7 @@ def load_full_state_dict(
     if not 0 <= src_rank < world:
         raise ValueError(f"src_rank={src_rank} is not a rank of this {world}-rank process group")
     targets = _targets(model, world)
-    _agree(state_dict, targets, src_rank, None)
+    _agree(state_dict, targets, src_rank)
 
     shared: list[object] = [None]
     if rank == src_rank:
@@ -424,7 +423,7 @@ def load_full_state_dict(
     if error is not None:
         raise error
 
-    device = _comm_device(None)
+    device = _comm_device()
     _materialize(model, torch.device("cpu") if cpu_offload else device)
     targets = _targets(model, world)  # materialising replaced the local tensors
     present = [i for i, key in enumerate(verdict.sources) if key is not None]
