@@ -1,6 +1,6 @@
 """What kept units cost per training step: plain FSDP2 against two keep-aware layouts.
 
-    python bench/bench_step.py [--quick] [--prototype] [--json OUT]
+    python bench/bench_step.py [--quick] [--json OUT]
 
 A tiny Qwen3-MoE (``transformers.Qwen3MoeForCausalLM``: RMSNorms, q/k norms and a top-k router
 per layer) declares every norm and every router kept (``_keep_in_fp32_modules_strict =
@@ -12,12 +12,13 @@ reduce_dtype=fp32)``, the same bf16 autocast, the same AdamW:
   kept (the fast, wrong baseline);
 * (b) ``per-module``: ``fp32keep.apply_fsdp2(..., group_kept=False)``: one FSDP unit per kept
   module (verl PR 7165's layout);
-* (c) ``grouped``: ``fp32keep.apply_fsdp2(..., group_kept=True)``: a block's kept modules share
-  one unit (``fully_shard`` on a list of modules);
+* (c) ``model-wide``: ``fp32keep.apply_fsdp2(..., group_kept="model")``: every kept module of the
+  model in one unit (``fully_shard`` on a list of modules) that is all-gathered once per step and
+  not resharded after forward: the layout this benchmark recommends for small kept modules;
+* (c') ``grouped``: ``fp32keep.apply_fsdp2(..., group_kept="block")``: a block's kept modules
+  share one unit, resharded after forward like the block;
 * ``local-plain`` / ``local-kept``: the same model unsharded on each rank, bf16 and keep-aware
   cast: their difference is the FP32 arithmetic any correct layout pays, without FSDP;
-* (d) with ``--prototype``: ``layout_prototype.py``, a proposed library option (one model-wide
-  kept unit, not resharded after forward).
 
 One step = forward, backward, ``optimizer.step()``, ``zero_grad()``. The arms run interleaved in
 one process pair, round by round, with the order rotated every round, so a burst of load from
@@ -61,14 +62,15 @@ from _common import (
 
 SCRIPT = Path(__file__).resolve()
 NPROC = 2
-ARMS = ("plain", "per-module", "grouped", "local-plain", "local-kept")
-PROTOTYPE_ARM = "proposed"
-SHARDED = ("plain", "per-module", "grouped", PROTOTYPE_ARM)
+ARMS = ("plain", "per-module", "model-wide", "grouped", "local-plain", "local-kept")
+SHARDED = ("plain", "per-module", "model-wide", "grouped")
+GROUP_KEPT = {"per-module": False, "model-wide": "model", "grouped": "block"}
+"""``apply_fsdp2(group_kept=...)`` of each keep-aware sharded arm."""
 ARM_TITLES = {
     "plain": "(a) plain FSDP2, bf16, nothing kept",
-    "per-module": "(b) one unit per kept module (verl PR)",
-    "grouped": "(c) fp32keep grouped (group_kept=True)",
-    PROTOTYPE_ARM: "(d) proposed: one model-wide kept unit (layout_prototype.py)",
+    "per-module": "(b) one unit per kept module (verl PR; group_kept=False)",
+    "model-wide": "(c) fp32keep group_kept='model'",
+    "grouped": "(c') fp32keep group_kept='block'",
     "local-plain": "unsharded, bf16, nothing kept",
     "local-kept": "unsharded, keep-aware cast",
 }
@@ -108,7 +110,7 @@ def _worker(args: argparse.Namespace) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model_config = QUICK_MODEL if args.quick else FULL_MODEL
     batch, seq = QUICK_BATCH if args.quick else FULL_BATCH
-    arms = (*ARMS, PROTOTYPE_ARM) if args.prototype else ARMS
+    arms = ARMS
     steppers = {arm: _build_arm(arm, model_config, mesh) for arm in arms}
     generator = torch.Generator().manual_seed(0)
     batches = [
@@ -241,12 +243,6 @@ def _build_arm(arm: str, model_config: Mapping[str, int], mesh: Any) -> Stepper:
         model.to(torch.bfloat16)
     elif arm == "local-kept":
         fp32keep.keep_aware_cast(model, torch.bfloat16)
-    elif arm == PROTOTYPE_ARM:
-        from layout_prototype import apply_fsdp2_model_wide_kept
-
-        plan = fp32keep.resolve_keep_plan(model, torch.bfloat16)
-        fp32keep.keep_aware_cast(model, torch.bfloat16, plan=plan)
-        apply_fsdp2_model_wide_kept(model, mesh=mesh, mp_policy=policy, plan=plan)
     elif arm == "plain":
         model.to(torch.bfloat16)
         for layer in model.model.layers:
@@ -256,7 +252,7 @@ def _build_arm(arm: str, model_config: Mapping[str, int], mesh: Any) -> Stepper:
         plan = fp32keep.resolve_keep_plan(model, torch.bfloat16)
         fp32keep.keep_aware_cast(model, torch.bfloat16, plan=plan)
         fp32keep.apply_fsdp2(
-            model, mesh=mesh, mp_policy=policy, plan=plan, group_kept=arm == "grouped"
+            model, mesh=mesh, mp_policy=policy, plan=plan, group_kept=GROUP_KEPT[arm]
         )
     return Stepper(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
 
@@ -271,9 +267,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the result here as JSON")
     parser.add_argument("--steps", type=int, help="timed steps per arm")
     parser.add_argument("--warmup", type=int, help="untimed rounds first")
-    parser.add_argument(
-        "--prototype", action="store_true", help="add the proposed layout (layout_prototype.py)"
-    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -290,14 +283,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     worker_args = ["--worker", "--out", str(out), "--steps", str(steps), "--warmup", str(warmup)]
     if quick:
         worker_args.append("--quick")
-    if args.prototype:
-        worker_args.append("--prototype")
     result = BenchResult(
         name="step",
         title="Per-step cost of kept units (2 ranks, gloo, CPU, bf16)",
-        command="python bench/bench_step.py"
-        + (" --quick" if quick else "")
-        + (" --prototype" if args.prototype else ""),
+        command="python bench/bench_step.py" + (" --quick" if quick else ""),
         mode="quick" if quick else "full",
         load_before=load_average(),
     )
@@ -358,26 +347,15 @@ def _report(
         table.rows.append(row)
     result.tables.append(table)
 
-    grouped = _paired(data, "grouped", "plain", ratio=True)
+    ours = _paired(data, "model-wide", "plain", ratio=True)
     result.targets.append(
-        Target("time: (c) grouped vs (a) plain", f"{grouped:.3f}x", grouped <= 1.10, "<= 1.10x")
+        Target("time: (c) model-wide vs (a) plain", f"{ours:.3f}x", ours <= 1.10, "<= 1.10x")
     )
-    ours, theirs = ag["grouped"] + rs["grouped"], ag["per-module"] + rs["per-module"]
+    mine, theirs = ag["model-wide"] + rs["model-wide"], ag["per-module"] + rs["per-module"]
     result.targets.append(
-        Target("collectives per step: (c) fewer than (b)", f"{ours} vs {theirs}", ours < theirs)
+        Target("collectives per step: (c) fewer than (b)", f"{mine} vs {theirs}", mine < theirs)
     )
     result.targets[-1].limit = "fewer"
-    if PROTOTYPE_ARM in data["arms"]:
-        proposed = _paired(data, PROTOTYPE_ARM, "plain", ratio=True)
-        total = ag[PROTOTYPE_ARM] + rs[PROTOTYPE_ARM]
-        result.targets.append(
-            Target(
-                "time: (d) proposed (not in the library) vs (a) plain",
-                f"{proposed:.3f}x; {total} collectives per step",
-                proposed <= 1.10,
-                "<= 1.10x",
-            )
-        )
     keep_aware = [arm for arm in data["arms"] if arm in SHARDED and arm != "plain"]
     same = all(data["losses"][arm] == data["losses"]["per-module"] for arm in keep_aware)
     result.targets.append(
@@ -390,10 +368,11 @@ def _report(
     )
     extra_units = max(1, data["units"]["per-module"] - data["units"]["plain"])
     per_unit = _paired(data, "per-module", "plain", ratio=False) / extra_units * 1e3
-    grouped_gap = _paired(data, "grouped", "plain", ratio=False) * 1e3
+    model_wide_gap = _paired(data, "model-wide", "plain", ratio=False) * 1e3
     arithmetic = _paired(data, "local-kept", "local-plain", ratio=False) * 1e3
     result.notes.append(
-        f"Where the time goes (medians of per-round differences): (c) - (a) = {grouped_gap:.1f} "
+        "Where the time goes (medians of per-round differences): (c) - (a) = "
+        f"{model_wide_gap:.1f} "
         f"ms per step; without FSDP, the keep-aware cast takes {arithmetic:+.1f} ms against plain "
         "bf16 (the FP32 norm and router arithmetic alone, which any correct layout pays); "
         f"(b) - (a) is {per_unit:.2f} ms per extra FSDP unit (hooks, copies, a small all-gather "

@@ -1,6 +1,6 @@
 """Run every benchmark and write ``bench/RESULTS.md`` from that run.
 
-    python bench/run_all.py [--quick] [--output bench/RESULTS.md] [--only load,step] [--prototypes]
+    python bench/run_all.py [--quick] [--output bench/RESULTS.md] [--only load,step]
 
 Each benchmark runs as its own child process (``python bench/bench_<name>.py [--quick] --json
 ...``), one after another so they never compete for the two cores, and hands back its tables and
@@ -36,8 +36,6 @@ from _common import (
 
 BENCHMARKS = ("startup", "dispatch", "step", "load")
 """Run order: the cheap, load-sensitive start-up figure first, the memory-hungry load last."""
-PROTOTYPED = ("step",)
-"""Benchmarks that take ``--prototype`` (an extra arm for a proposed library change)."""
 TITLES = {
     "startup": "Start-up cost of the plugin",
     "dispatch": "Test dispatch",
@@ -80,14 +78,13 @@ def _git_revision() -> str:
     return f"{head}{' + local changes' if dirty else ''}"
 
 
-def run_benchmark(name: str, quick: bool, extra: Sequence[str]) -> BenchResult:
+def run_benchmark(name: str, quick: bool) -> BenchResult:
     """Run one benchmark child, streaming its output; its result, or a section saying it failed."""
     json_path = OUT_DIR / f"{name}.json"
     json_path.unlink(missing_ok=True)
     command = [sys.executable, str(BENCH_DIR / f"bench_{name}.py"), "--json", str(json_path)]
     if quick:
         command.append("--quick")
-    command += list(extra)
     print(f"\n=== {name}: {' '.join(command[1:])}", flush=True)
     load_before = load_average()
     started = time.perf_counter()
@@ -175,11 +172,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=list(BENCHMARKS),
         help=f"comma-separated subset of {','.join(BENCHMARKS)}",
     )
-    parser.add_argument(
-        "--prototypes",
-        action="store_true",
-        help="add the proposed library changes (layout_prototype.py) as arms",
-    )
     args = parser.parse_args(argv)
     unknown = sorted(set(args.only) - set(BENCHMARKS))
     if unknown:
@@ -191,13 +183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in BENCHMARKS:
         if name not in args.only:
             continue
-        extra = ["--prototype"] if name in PROTOTYPED and args.prototypes else []
-        results.append(run_benchmark(name, args.quick, extra))
-    command = "python bench/run_all.py" + "".join(
-        f" {flag}"
-        for flag, on in (("--quick", args.quick), ("--prototypes", args.prototypes))
-        if on
-    )
+        results.append(run_benchmark(name, args.quick))
+    command = "python bench/run_all.py" + (" --quick" if args.quick else "")
     if set(args.only) != set(BENCHMARKS):
         command += f" --only {','.join(args.only)}"
     elapsed = time.perf_counter() - started

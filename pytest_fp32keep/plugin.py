@@ -1,9 +1,9 @@
 """pytest entry point (``pytest11``): hooks in lifecycle order, each one thin.
 
-Loading this module imports neither torch nor the controller's dependencies beyond the
-standard library and pytest: a project that installs the plugin but marks no test pays for
-option parsing and one marker line. The fixtures are registered here too (they import torch
-inside their bodies, in the ranks).
+Loading this module imports neither torch nor the controller: a project that installs the plugin
+but collects no marked test pays for option parsing and one marker line; the controller is
+imported and registered only when collection finds a marked test. The fixtures are registered
+here too (they import torch inside their bodies, in the ranks).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pytest_fp32keep.rank_context import RANK_CONTEXT_KEY
 pytest_plugins = ["pytest_fp32keep.fixtures"]
 
 CONTROLLER_PLUGIN_NAME = "fp32keep-controller"
+ON_DEMAND_PLUGIN_NAME = "fp32keep-controller-on-demand"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -26,11 +27,34 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Register the marker, validate the settings, and (outside the ranks) the controller."""
+    """Register the marker, validate the settings, and (outside the ranks) wait for marked tests."""
     options.register_marker(config)
     settings = options.session_settings(config)  # raises pytest.UsageError on a bad value
     if RANK_CONTEXT_KEY in config.stash:
         return  # inside a rank: the rank session drives the tests
-    from pytest_fp32keep.controller import Fsdp2Controller
+    config.pluginmanager.register(ControllerOnDemand(config, settings), ON_DEMAND_PLUGIN_NAME)
 
-    config.pluginmanager.register(Fsdp2Controller(config, settings), CONTROLLER_PLUGIN_NAME)
+
+class ControllerOnDemand:
+    """Registers the controller once collection has found a marked test, and only then.
+
+    The controller and what it imports (launcher, reports, protocol: about 20 ms) are the bulk of
+    the plugin's start-up cost; a run without marked tests (most runs of a project that marks a
+    few) never pays for them.
+    """
+
+    def __init__(self, config: pytest.Config, settings: options.SessionSettings) -> None:
+        self._config = config
+        self._settings = settings
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        """Hand the collected items to a new controller if any of them is marked."""
+        if not any(options.is_marked(item) for item in session.items):
+            return
+        from pytest_fp32keep.controller import Fsdp2Controller
+
+        controller = Fsdp2Controller(self._config, self._settings)
+        self._config.pluginmanager.register(controller, CONTROLLER_PLUGIN_NAME)
+        # Registered during this hook, it would miss the call: give it the items directly.
+        controller.pytest_collection_finish(session)

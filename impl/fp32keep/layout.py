@@ -26,6 +26,9 @@ from fp32keep.plan import KeepPlan
 from fp32keep.tensors import is_castable_float, iter_owned, join
 
 UnitKind = Literal["kept", "standard", "root"]
+KeptGrouping: TypeAlias = bool | Literal["block", "model"]
+"""How kept modules are grouped into units: ``False`` (one unit per kept module), ``True`` or
+``"block"`` (one unit per standard unit's kept modules), ``"model"`` (one unit for all)."""
 WrapTarget: TypeAlias = type[nn.Module] | str
 WrapSpec: TypeAlias = Iterable[WrapTarget] | Callable[[nn.Module], bool]
 
@@ -38,11 +41,15 @@ class Unit:
         kind: ``"kept"``, ``"standard"`` or ``"root"``.
         module_fqns: the modules sharded together (one, or several for a grouped kept unit).
         depth: nesting depth of the deepest module, used to shard children before parents.
+        stays_gathered: all-gathered once per step and not resharded after forward (the
+            model-wide kept unit: resharding it would all-gather every kept parameter of the
+            model again in backward).
     """
 
     kind: UnitKind
     module_fqns: tuple[str, ...]
     depth: int
+    stays_gathered: bool = False
 
     @property
     def label(self) -> str:
@@ -69,7 +76,11 @@ class Layout:
 
     def describe(self) -> str:
         """A readable list of units in sharding order."""
-        lines = [f"{unit.kind:<10} {unit.label}" for unit in self.units]
+        lines = [
+            f"{unit.kind:<10} {unit.label}"
+            + (" (stays gathered from forward to backward)" if unit.stays_gathered else "")
+            for unit in self.units
+        ]
         lines += [f"{'replicated':<10} {name}" for name in self.replicated]
         return "\n".join(lines)
 
@@ -168,6 +179,20 @@ def _depth(fqn: str) -> int:
     return fqn.count(".") + 1 if fqn else 0
 
 
+def _kept_grouping(group_kept: KeptGrouping) -> Literal["module", "block", "model"]:
+    """Normalise ``group_kept``; anything else is refused before any work is done."""
+    if group_kept is False:
+        return "module"
+    if group_kept is True or group_kept == "block":
+        return "block"
+    if group_kept == "model":
+        return "model"
+    raise ValueError(
+        f"group_kept={group_kept!r} is not one of False (a unit per kept module), True or "
+        "'block' (a unit per block's kept modules), 'model' (one unit for all kept modules)."
+    )
+
+
 def _innermost(unit_of_module: dict[str, int], module_fqn: str) -> int:
     parts = module_fqn.split(".") if module_fqn else []
     for cut in range(len(parts), -1, -1):
@@ -182,7 +207,7 @@ def plan_layout(
     plan: KeepPlan,
     *,
     wrap: WrapSpec | None = None,
-    group_kept: bool = False,
+    group_kept: KeptGrouping = False,
     replicate_frozen: bool = True,
 ) -> Layout:
     """Decide the units that keep ``plan`` under FSDP2, or raise with every reason it cannot.
@@ -192,8 +217,12 @@ def plan_layout(
         plan: the keep plan.
         wrap: standard targets: module classes, class names, or a predicate; default: the
             classes named by the model's ``_no_split_modules``.
-        group_kept: shard the kept modules that share one standard unit together (one
-            all-gather per block instead of one per kept module).
+        group_kept: ``False``: one unit per kept module. ``True`` or ``"block"``: the kept
+            modules that share one standard unit form one unit (one all-gather per block instead
+            of one per kept module). ``"model"``: every kept module of the model forms one unit
+            that stays all-gathered from the first kept forward to the end of backward (one
+            all-gather and one reduce-scatter per step in all, at the price of holding every
+            kept parameter unsharded, in FP32, during the step).
         replicate_frozen: a kept parameter that is frozen (``requires_grad=False``) but whose
             module also owns low-precision parameters (a router's correction bias, say) is left
             out of FSDP2 and replicated in FP32 instead of refused. Trainable ones are always
@@ -202,6 +231,7 @@ def plan_layout(
     Raises:
         KeepLayoutError: naming every offending parameter and the reason.
     """
+    grouping = _kept_grouping(group_kept)
     below = _float_param_names(model)
     modules = dict(model.named_modules(remove_duplicate=False))
     kept = _kept_modules(model, plan, below)
@@ -217,21 +247,24 @@ def plan_layout(
     units: list[Unit] = []
     unit_of_module: dict[str, int] = {}
 
-    def add(kind: UnitKind, fqns: Sequence[str]) -> None:
+    def add(kind: UnitKind, fqns: Sequence[str], stays_gathered: bool = False) -> None:
         for fqn in fqns:
             unit_of_module[fqn] = len(units)
-        units.append(Unit(kind, tuple(fqns), max(_depth(fqn) for fqn in fqns)))
+        depth = max(_depth(fqn) for fqn in fqns)
+        units.append(Unit(kind, tuple(fqns), depth, stays_gathered))
 
     for fqn in standard:
         add("standard", [fqn])
     if "" not in kept:
         add("root", [""])
-    if group_kept:
+    if grouping == "block":
         groups: dict[int, list[str]] = defaultdict(list)
         for fqn in kept:
             groups[_innermost(unit_of_module, fqn)].append(fqn)
         for fqns in groups.values():
             add("kept", fqns)
+    elif grouping == "model" and kept and kept != [""]:
+        add("kept", kept, stays_gathered=True)
     else:
         for fqn in kept:
             add("kept", [fqn])

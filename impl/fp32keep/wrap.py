@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from fp32keep.layout import Layout, WrapSpec, plan_layout
+from fp32keep.layout import KeptGrouping, Layout, WrapSpec, plan_layout
 from fp32keep.plan import KeepPlan, check_plan_fits, resolve_keep_plan
 from fp32keep.tensors import check_float_dtype, is_castable_float
 
@@ -83,7 +83,7 @@ def apply_fsdp2(
     wrap: WrapSpec | None = None,
     reshard_after_forward: bool | int | None = None,
     offload_policy: OffloadPolicy | None = None,
-    group_kept: bool = False,
+    group_kept: KeptGrouping = False,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 so that the plan's parameters stay FP32, or refuse.
 
@@ -113,9 +113,12 @@ def apply_fsdp2(
         wrap: standard targets, as above.
         reshard_after_forward: passed to every ``fully_shard`` call when not None.
         offload_policy: passed to every ``fully_shard`` call when not None.
-        group_kept: shard the kept modules of one standard unit together, one all-gather for all
-            of them (fewer collectives; needs a torch whose grouped ``fully_shard`` finishes
-            groups whose modules did not all run).
+        group_kept: how kept modules are grouped into units (fewer units, fewer collectives):
+            ``False``, one unit per kept module; ``True`` or ``"block"``, a block's kept modules
+            together; ``"model"``, all kept modules of the model in one unit that is not
+            resharded after forward (one all-gather and one reduce-scatter per step for every
+            kept parameter; each rank holds them unsharded during the step). Grouping needs a
+            torch whose grouped ``fully_shard`` finishes groups whose modules did not all run.
 
     Returns:
         ``model``, now an ``FSDPModule``.
@@ -154,4 +157,5 @@ def _shard(
     for unit in layout.units:
         targets = [modules[fqn] for fqn in unit.module_fqns]
         policy = kept_policy if unit.kind == "kept" else mp_policy
-        fully_shard(targets if len(targets) > 1 else targets[0], mp_policy=policy, **common)
+        options = dict(common, reshard_after_forward=False) if unit.stays_gathered else common
+        fully_shard(targets if len(targets) > 1 else targets[0], mp_policy=policy, **options)

@@ -6,11 +6,14 @@ in the parent before any rank starts.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fp32keep import KeepLayoutError, resolve_keep_plan
+from fp32keep import KeepLayoutError, apply_fsdp2, resolve_keep_plan
 from pytest_fp32keep import assert_fp32_keep_contract
 from pytest_fp32keep.zoo import ZOO, ZooEntry, available_entries
 
@@ -25,11 +28,22 @@ def case(name: str, dtype: str) -> object:
     return pytest.param(name, dtype, id=f"{name}-{dtype}", marks=marks)
 
 
+def model_wide_kept_unit(model: nn.Module, **kwargs: Any) -> object:
+    """``apply_fsdp2`` with every kept module in one unit that stays gathered for the step."""
+    return apply_fsdp2(model, group_kept="model", **kwargs)
+
+
 @pytest.mark.fsdp2
+@pytest.mark.parametrize(
+    "group_kept", [False, "model"], ids=["unit-per-kept-module", "model-wide-kept-unit"]
+)
 @pytest.mark.parametrize(("name", "dtype"), [case(n, d) for n in ZOO for d in DTYPES])
-def test_zoo_model_keeps_the_contract(fsdp2_mesh: DeviceMesh, name: str, dtype: str) -> None:
+def test_zoo_model_keeps_the_contract(
+    fsdp2_mesh: DeviceMesh, name: str, dtype: str, group_kept: bool | str
+) -> None:
     entry: ZooEntry = ZOO[name]
     low = DTYPES[dtype]
+    shard = {"shard": model_wide_kept_unit} if group_kept else {}
 
     def run() -> object:
         return assert_fp32_keep_contract(
@@ -38,6 +52,7 @@ def test_zoo_model_keeps_the_contract(fsdp2_mesh: DeviceMesh, name: str, dtype: 
             mesh=fsdp2_mesh,
             dtype=low,
             autocast=True,
+            **shard,  # type: ignore[arg-type]
         )
 
     # Which dtypes keep anything depends on the installed Transformers (5.0.0 has no gate).

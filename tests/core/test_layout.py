@@ -87,6 +87,34 @@ def test_group_kept_puts_one_blocks_kept_modules_in_one_unit() -> None:
     ]
 
 
+def test_group_kept_model_puts_every_kept_module_in_one_unit_that_stays_gathered() -> None:
+    layout = layout_of(stack_class(strict=["norm"])(), group_kept="model")
+    kept = [unit for unit in layout.units if unit.kind == "kept"]
+    assert [unit.module_fqns for unit in kept] == [
+        (
+            "layers.0.input_layernorm",
+            "layers.0.post_attention_layernorm",
+            "layers.1.input_layernorm",
+            "layers.1.post_attention_layernorm",
+            "norm",
+        )
+    ]
+    assert kept[0].stays_gathered
+    assert layout.units[0] is kept[0]  # sharded before the blocks that contain its modules
+    assert not any(unit.stays_gathered for unit in layout.units if unit.kind != "kept")
+    assert "stays gathered" in layout.describe()
+
+
+def test_group_kept_block_and_true_are_the_same_layout() -> None:
+    model = stack_class(strict=["norm"])()
+    assert units(layout_of(model, group_kept=True)) == units(layout_of(model, group_kept="block"))
+
+
+def test_group_kept_unknown_value_is_refused_naming_the_choices() -> None:
+    with pytest.raises(ValueError, match=r"group_kept='blocks' is not one of False .*'model'"):
+        layout_of(stack_class(strict=["norm"])(), group_kept="blocks")  # type: ignore[arg-type]
+
+
 def test_wrap_by_class_name_and_predicate() -> None:
     by_class = layout_of(Stack(), wrap=[Block])
     by_name = layout_of(Stack(), wrap=["Block"])

@@ -12,7 +12,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 import fp32keep
 from fp32keep import KeepPlan
+from fp32keep.layout import WrapSpec
 from pytest_fp32keep import ContractViolation, assert_fp32_keep_contract
+from pytest_fp32keep.contract import ShardFn
 from tests.core.toys import stack_class
 
 pytestmark = pytest.mark.fsdp2  # every test runs in the ranks (2 by default)
@@ -46,6 +48,48 @@ def test_contract_holds(
     assert {row.stored for row in report.kept} == {"float32"}
     assert {row.materialized for row in report.kept} == {"float32"}
     assert all(report.status().values())
+
+
+def grouped(group_kept: fp32keep.layout.KeptGrouping) -> ShardFn:
+    """``apply_fsdp2`` with kept modules grouped into fewer units."""
+
+    def shard(
+        model: nn.Module,
+        *,
+        mesh: DeviceMesh,
+        mp_policy: MixedPrecisionPolicy,
+        plan: KeepPlan,
+        wrap: WrapSpec | None,
+    ) -> object:
+        return fp32keep.apply_fsdp2(
+            model, mesh=mesh, mp_policy=mp_policy, plan=plan, wrap=wrap, group_kept=group_kept
+        )
+
+    return shard
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["no-prefetch", "prefetch"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["direct", "autocast"])
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("group_kept", ["block", "model"])
+def test_contract_holds_with_grouped_kept_units(
+    mesh: DeviceMesh,
+    group_kept: fp32keep.layout.KeptGrouping,
+    dtype: torch.dtype,
+    autocast: bool,
+    prefetch: bool,
+) -> None:
+    report = assert_fp32_keep_contract(
+        factory,
+        batch,
+        mesh=mesh,
+        dtype=dtype,
+        autocast=autocast,
+        forward_prefetch=prefetch,
+        shard=grouped(group_kept),
+    )
+    assert report.ok
+    assert {row.materialized for row in report.kept} == {"float32"}
 
 
 @pytest.mark.parametrize(("dtype", "kept"), [(FP16, 2), (BF16, 0)], ids=["fp16", "bf16"])
