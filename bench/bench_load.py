@@ -167,6 +167,7 @@ def _worker(args: argparse.Namespace) -> None:
         "bytes": _state_bytes(state_dict) if state_dict is not None else 0,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(payload))
+    gc.collect()  # free FSDP2's reference cycles while the group lives (see rank_session)
     dist.barrier()
     dist.destroy_process_group()
 

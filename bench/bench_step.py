@@ -35,6 +35,7 @@ inside FSDP2's hooks on torch 2.13.)
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -150,6 +151,7 @@ def _worker(args: argparse.Namespace) -> None:
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(payload))
+    gc.collect()  # free FSDP2's reference cycles while the group lives (see rank_session)
     dist.barrier()
     dist.destroy_process_group()
 

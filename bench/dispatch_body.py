@@ -5,11 +5,18 @@ and run as a script by its torchrun arm, so the work per test is byte-for-byte t
 arm and only the way ranks are started and fed differs:
 
     torchrun --standalone --nproc-per-node=2 bench/dispatch_body.py INDEX
+    torchrun --standalone --nproc-per-node=2 bench/dispatch_body.py --loop COUNT OUT.json
+
+The second form is the floor: the body ``COUNT`` times in one pair of ranks that stay up, with
+no test runner at all, each iteration timed from a barrier to a barrier (the slower rank's time).
 """
 
 from __future__ import annotations
 
+import gc
+import json
 import sys
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -55,13 +62,35 @@ def tiny_fsdp2_step(index: int, mesh: Any = None) -> float:
     return float(loss.item())
 
 
+def body_loop(count: int) -> list[float]:
+    """Seconds per iteration of the body in ranks that stay up (barrier to barrier)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    seconds: list[float] = []
+    for index in range(count):
+        dist.barrier()
+        started = time.perf_counter()
+        tiny_fsdp2_step(index, mesh)
+        dist.barrier()
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
 def main(argv: list[str]) -> int:
     """torchrun entry point: one test, then tear the process group down (as a per-test script
-    of verl or accelerate does)."""
-    index = int(argv[0]) if argv else 0
+    of verl or accelerate does); or, with ``--loop COUNT OUT``, the floor."""
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     try:
-        tiny_fsdp2_step(index)
+        if argv[:1] == ["--loop"]:
+            seconds = body_loop(int(argv[1]))
+            if dist.get_rank() == 0:
+                with open(argv[2], "w", encoding="utf-8") as handle:
+                    json.dump(seconds, handle)
+        else:
+            tiny_fsdp2_step(int(argv[0]) if argv else 0)
+        gc.collect()  # free FSDP2's reference cycles while the group lives (see rank_session)
+        dist.barrier()  # no rank tears down while its peer is still in a collective
     finally:
         dist.destroy_process_group()
     return 0

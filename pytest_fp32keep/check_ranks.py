@@ -6,6 +6,7 @@ Launched by :mod:`pytest_fp32keep.cli` as
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                     dist.barrier()
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps({"device": device, "cases": cases}, indent=2))
+    gc.collect()  # FSDP2 modules sit in cycles: free them before the group (see rank_session)
     dist.barrier()  # every rank done with its last collective before the group goes away
     dist.destroy_process_group()
     return 0
