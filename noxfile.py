@@ -5,7 +5,7 @@
 - ``tests-<X.Y>``: the suite with ``transformers==X.Y.*`` on the default torch; ``tests-latest``
   with the newest Transformers release. ``nox -s tests-4.56 tests-5.10 -- --fsdp-nproc=4``:
   arguments after ``--`` go to pytest.
-- ``torch-2.7``, ``torch-newest``: the PyTorch axis; one venv per torch version, the suite once
+- ``torch-2.9``, ``torch-newest``: the PyTorch axis; one venv per torch version, the suite once
   per Transformers line it supports.
 - ``lint``: ruff, mypy, actionlint on the workflows, and the matrix consistency test.
 - ``bench``: ``bench/run_all.py``, which writes ``bench/RESULTS.md``.

@@ -60,7 +60,7 @@ class RunRecord:
     """One pytest run of one session with one Transformers line on one interpreter."""
 
     session: str
-    """The nox session, e.g. ``tests-5.10`` or ``torch-2.7``."""
+    """The nox session, e.g. ``tests-5.10`` or ``torch-2.9``."""
     label: str
     """The Transformers line of the matrix the run was for, e.g. ``5.10`` or ``latest``."""
     python: str
@@ -97,7 +97,7 @@ class RunRecord:
 
 
 def run_key(session: str, label: str, python_minor: str) -> str:
-    """The name shared by a run's record and JUnit file, e.g. ``torch-2.7--4.56--py3.11``."""
+    """The name shared by a run's record and JUnit file, e.g. ``torch-2.9--4.56--py3.11``."""
     return f"{session}--{label}--py{python_minor}"
 
 

@@ -61,6 +61,12 @@ CHECKS: tuple[CheckName, ...] = (
 GRADIENT_NOISE_ULPS = 2
 """Accumulation-order noise allowed, in units of the low-precision dtype's roundoff (see parity)."""
 
+CONTROL_ERROR_LIMIT = 0.05
+"""The most plain FSDP2's own gradients may be off the unsharded model's (relative to each
+gradient's scale) and still serve as the noise bound. Beyond it plain FSDP2 itself is wrong on
+this torch and backend (torch 2.7 on gloo sums gradients over the ranks instead of averaging
+them: every gradient 2x); widening the bound to match would let any bug of the same size pass."""
+
 
 class CastFn(Protocol):
     """Casts a model for low-precision training in place (the default: keep-aware)."""
@@ -573,6 +579,42 @@ def _control_error(
     return worst
 
 
+def gradient_bound(
+    control: float | str, dtype: torch.dtype
+) -> tuple[float, list[Finding], list[str]]:
+    """How far keep-aware gradients may be from the unsharded model's, given the control.
+
+    ``control`` is how far plain FSDP2 with nothing kept lands from its own unsharded reference
+    (relative), or why it could not run. Plain FSDP2 bit-identical: any difference is ours
+    (bound 0). Off by roundoff: both runs carry accumulation-order noise, bounded by the larger of
+    the control and ``GRADIENT_NOISE_ULPS`` roundoffs of ``dtype``. A control that failed, or is
+    off by more than :data:`CONTROL_ERROR_LIMIT`, is itself a finding (the installed torch's FSDP2
+    does not reproduce the model on this backend), and the bound stays at the roundoff one.
+
+    Returns:
+        the bound, findings about the control, notes for the report.
+    """
+    roundoff = GRADIENT_NOISE_ULPS * torch.finfo(dtype).eps
+    if isinstance(control, float) and control <= CONTROL_ERROR_LIMIT:
+        bound = max(control, roundoff) if control else 0.0
+        return bound, [], [f"plain FSDP2 with nothing kept: {control:.3g} from its reference"]
+    observed = f"{control:.3g} relative" if isinstance(control, float) else control
+    finding = Finding(
+        "parity",
+        "plain FSDP2 control (nothing kept)",
+        f"<= {CONTROL_ERROR_LIMIT:g} relative to the unsharded model",
+        observed,
+        False,
+    )
+    note = (
+        "plain FSDP2 with nothing kept does not reproduce the unsharded model here "
+        f"({observed}): the installed torch's FSDP2 is wrong for this model or backend (torch "
+        "2.7 on gloo, for one, sums gradients over the ranks instead of averaging them), so "
+        f"gradient parity is judged against roundoff alone ({roundoff:.3g})."
+    )
+    return roundoff, [finding], [note]
+
+
 def _round_trip(
     model: nn.Module, pristine: Mapping[str, torch.Tensor], dtype: torch.dtype, load: LoadFn
 ) -> list[Finding]:
@@ -678,24 +720,27 @@ def assert_fp32_keep_contract(
     notes: list[str] = []
     if off:
         keep_error = max(_relative_error(observed.grads[n], expected.grads[n]) for n in off)  # type: ignore[arg-type]
-        control = _control_error(
-            model_factory,
-            batch,
-            mesh=mesh,
-            dtype=dtype,
-            policy=policy,
-            wrap=wrap,
-            autocast=autocast,
-            loss_fn=loss_fn,
-            seed=seed,
-        )
-        # Plain FSDP2 bit-identical means any difference is ours; otherwise both runs carry
-        # accumulation-order noise, whose size is the dtype's roundoff.
-        bound = max(control, GRADIENT_NOISE_ULPS * torch.finfo(dtype).eps) if control else 0.0
+        control: float | str
+        try:
+            control = _control_error(
+                model_factory,
+                batch,
+                mesh=mesh,
+                dtype=dtype,
+                policy=policy,
+                wrap=wrap,
+                autocast=autocast,
+                loss_fn=loss_fn,
+                seed=seed,
+            )
+        except Exception as exc:  # a diagnostic: its failure is reported, not raised
+            control = f"{type(exc).__name__}: {exc}"
+        bound, control_findings, control_notes = gradient_bound(control, dtype)
+        findings += control_findings
+        notes += control_notes
         notes.append(
             f"{len(off)} gradient(s) not bit-identical: at most {keep_error:.3g} (relative to the "
-            f"gradient's scale) from the reference; plain FSDP2 with nothing kept: {control:.3g}; "
-            f"bound {bound:.3g}"
+            f"gradient's scale) from the reference; bound {bound:.3g}"
         )
         for name in off:
             error = _relative_error(observed.grads[name], expected.grads[name])  # type: ignore[arg-type]
@@ -703,7 +748,7 @@ def assert_fp32_keep_contract(
                 Finding(
                     "parity",
                     f"grad {name}",
-                    f"<= {bound:.3g} relative (plain FSDP2: {control:.3g})",
+                    f"<= {bound:.3g} relative",
                     f"{error:.3g} relative",
                     error <= bound,
                 )

@@ -273,7 +273,8 @@ class Fsdp2Controller:
                 settings,
                 skip=(
                     f"fsdp2: backend nccl needs {settings.nproc} CUDA devices (one per rank), "
-                    f"{devices} visible here"
+                    f"{devices} visible here; run with --fsdp-backend=gloo (or auto), or ask "
+                    f"for at most {devices} ranks"
                 ),
             )
         return Placement(settings, GroupKey(settings.nproc, "gloo"))

@@ -81,7 +81,7 @@ def matrix() -> Matrix:
         (lambda d: d["transformers"].update(default="9.9"), "transformers.default"),
         (lambda d: d["torch_axis"][0].update(transformers=["9.9"]), "torch_axis[0].transformers"),
         (lambda d: d["torch_axis"][0].update(version="two"), "torch_axis[0].version"),
-        (lambda d: d["torch_axis"][1].update(session="torch-2.7"), "share a name"),
+        (lambda d: d["torch_axis"][1].update(session="torch-2.9"), "share a name"),
         (lambda d: d["ci"]["cpu"].update(every_python=["9.9"]), "ci.cpu.every_python"),
         (lambda d: d["ci"]["gpu"].update(sessions=["tests-9.9"]), "ci.gpu.sessions"),
         (lambda d: d["torch"].update(default="latest"), "torch.default"),

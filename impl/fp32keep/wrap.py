@@ -54,6 +54,12 @@ def _check_callable_state(model: nn.Module, mesh: DeviceMesh, mp_policy: object)
         )
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {mesh!r}")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"apply_fsdp2 needs a 1-D mesh (FSDP) or a 2-D one (HSDP: replicate x shard), got a "
+            f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; pass the data-parallel sub-mesh, "
+            "e.g. mesh['dp']."
+        )
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(
             "mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got "

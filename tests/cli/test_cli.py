@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pytest_fp32keep.cli import main
+from tests.error_bounds import PARENT_BOUND_S, within
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -17,18 +18,28 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--nproc", "0"], "--nproc must be at least 1, got 0"),
-        (["--nproc", "-1"], "--nproc must be at least 1, got -1"),
-        (["--nproc", "abc"], "--nproc must be a whole number, got 'abc'"),
-        (["--dtype", "fp8"], "--dtype takes a comma-separated list of bf16, fp16; got 'fp8'"),
-        (["--context", "eager"], "--context takes a comma-separated list of autocast, direct"),
-        (["--timeout", "0"], "--timeout must be at least 1"),
+        pytest.param(["--nproc", "0"], "--nproc must be at least 1, got 0", id="nproc-0"),
+        pytest.param(["--nproc", "-1"], "--nproc must be at least 1, got -1", id="nproc--1"),
+        pytest.param(
+            ["--nproc", "abc"], "--nproc must be a whole number, got 'abc'", id="nproc-abc"
+        ),
+        pytest.param(
+            ["--dtype", "fp8"],
+            "--dtype takes a comma-separated list of bf16, fp16; got 'fp8'",
+            id="dtype-fp8",
+        ),
+        pytest.param(
+            ["--context", "eager"],
+            "--context takes a comma-separated list of autocast, direct",
+            id="context-eager",
+        ),
+        pytest.param(["--timeout", "0"], "--timeout must be at least 1", id="timeout-0"),
     ],
 )
 def test_bad_options_are_usage_errors(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(SystemExit) as exit_info:
+    with within(PARENT_BOUND_S), pytest.raises(SystemExit) as exit_info:
         main(["check", *argv])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
@@ -37,21 +48,45 @@ def test_bad_options_are_usage_errors(
 @pytest.mark.parametrize(
     ("target", "message"),
     [
-        ("no_such_package.models:build", "cannot import module 'no_such_package.models'"),
-        ("tests.cli.targets:missing", "module 'tests.cli.targets' has no attribute 'missing'"),
-        ("tests.cli.targets:raises", "the factory raised RuntimeError: no weights here"),
-        ("tests.cli.targets:not_a_module", "the factory returned a dict, not a torch.nn.Module"),
-        ("tests.cli.targets:NOT_CALLABLE", "is a int, not a callable factory"),
-        ("tests.cli.targets:kept_stack", "has no config.vocab_size; pass --batch"),
-        ("no_such_zoo_entry", "unknown zoo entries ['no_such_zoo_entry']"),
-        (":build", "is not of the form package.module:function"),
+        pytest.param(
+            "no_such_package.models:build",
+            "cannot import module 'no_such_package.models'",
+            id="missing-module",
+        ),
+        pytest.param(
+            "tests.cli.targets:missing",
+            "module 'tests.cli.targets' has no attribute 'missing'",
+            id="missing-factory",
+        ),
+        pytest.param(
+            "tests.cli.targets:raises",
+            "the factory raised RuntimeError: no weights here",
+            id="factory-raises",
+        ),
+        pytest.param(
+            "tests.cli.targets:not_a_module",
+            "the factory returned a dict, not a torch.nn.Module",
+            id="not-a-module",
+        ),
+        pytest.param(
+            "tests.cli.targets:NOT_CALLABLE", "is a int, not a callable factory", id="not-callable"
+        ),
+        pytest.param(
+            "tests.cli.targets:kept_stack", "has no config.vocab_size; pass --batch", id="no-batch"
+        ),
+        pytest.param(
+            "no_such_zoo_entry", "unknown zoo entries ['no_such_zoo_entry']", id="unknown-zoo-entry"
+        ),
+        pytest.param(":build", "is not of the form package.module:function", id="malformed"),
     ],
 )
 def test_bad_targets_fail_before_any_rank_starts(
     target: str, message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["check", target]) == 2
+    with within(PARENT_BOUND_S):
+        assert main(["check", target]) == 2
     err = capsys.readouterr().err
+    assert err.startswith("fp32keep check: error: ")
     assert message in err
     assert target in err or "zoo" in message
 

@@ -7,19 +7,31 @@ Each test body runs in the plugin's torchrun ranks (``@pytest.mark.fsdp2``; gloo
 from __future__ import annotations
 
 import copy
+import re
+import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TypeVar
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import fp32keep
 from fp32keep import KeepLayoutError, StateDictError
 from tests.core.toys import Stack, stack_class
+from tests.error_bounds import LIBRARY_BOUND_S, note_elapsed
+from tests.untouched import (
+    assert_dict_unchanged,
+    assert_same_parameters,
+    assert_unchanged,
+    dict_snapshot,
+    fsdp_modules,
+    snapshot,
+)
 
 pytestmark = pytest.mark.fsdp2  # every test runs in the ranks (2 by default)
 
@@ -57,27 +69,33 @@ def record_input_dtypes(module: nn.Module) -> list[torch.dtype]:
     return seen
 
 
-def fsdp_modules(model: nn.Module) -> list[str]:
-    return [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+E = TypeVar("E", bound=BaseException)
 
 
-def snapshot(model: nn.Module) -> dict[str, tuple[int, torch.dtype, torch.Tensor]]:
-    return {
-        name: (id(param), param.dtype, param.detach().clone())
-        for name, param in model.named_parameters()
-    }
+def refused_on_every_rank(
+    call: Callable[[], object], expected: type[E], match: str, *, same_message: bool = True
+) -> E:
+    """Run ``call`` on every rank and require that each one raises ``expected`` in time.
 
-
-def assert_unchanged(
-    model: nn.Module, before: dict[str, tuple[int, torch.dtype, torch.Tensor]]
-) -> None:
-    assert fsdp_modules(model) == []
-    after = snapshot(model)
-    assert after.keys() == before.keys()
-    for name, (identity, dtype, value) in before.items():
-        assert after[name][0] == identity, name
-        assert after[name][1] == dtype, name
-        assert torch.equal(after[name][2], value), name
+    A rank that does not raise fails here and never reaches the all-gather, so its peers stay
+    stuck in it: the plugin then fails the test 3 s later (no rank hangs unnoticed either way).
+    """
+    start = time.monotonic()
+    with pytest.raises(expected, match=match) as error:
+        call()
+    elapsed = time.monotonic() - start
+    seen: list[tuple[str, str, float] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (type(error.value).__name__, str(error.value), elapsed))
+    ranks = [entry for entry in seen if entry is not None]
+    kinds = {kind for kind, _, _ in ranks}
+    messages = {message for _, message, _ in ranks}
+    slowest = max(seconds for _, _, seconds in ranks)
+    assert len(ranks) == len(seen) and kinds == {type(error.value).__name__}, seen
+    assert len(messages) == 1 or not same_message, seen
+    assert slowest < LIBRARY_BOUND_S, f"the slowest rank raised after {slowest:.1f} s"
+    if rank() == 0:
+        note_elapsed(slowest)
+    return error.value
 
 
 # --- the seed reproducers ------------------------------------------------------------------
@@ -228,15 +246,102 @@ def test_logits_loss_and_grads_match_unsharded_reference(mesh: DeviceMesh) -> No
 # --- apply_fsdp2 refusals --------------------------------------------------------------------
 
 
-def test_layout_error_leaves_model_untouched(mesh: DeviceMesh) -> None:
-    model, plan = kept_stack(["time_decay"])
+def root_owned_model() -> tuple[nn.Module, fp32keep.KeepPlan | None]:
+    torch.manual_seed(0)
+    model = stack_class(strict=["query_tokens"])()
+    model.register_parameter("query_tokens", nn.Parameter(torch.randn(2, 8)))
+    plan = fp32keep.resolve_keep_plan(model, BF16, transformers_version=SEMANTICS)
+    fp32keep.keep_aware_cast(model, BF16, plan=plan)
+    return model, plan
+
+
+def mixed_unit_model() -> tuple[nn.Module, fp32keep.KeepPlan | None]:
+    # Rwkv's shape: the attention module owns time_decay and also low-precision weights.
+    torch.manual_seed(0)
+    model = stack_class(strict=["time_decay"])()
     for layer in model.layers:
         layer.attn.register_parameter("time_decay", nn.Parameter(torch.randn(8)))
     plan = fp32keep.resolve_keep_plan(model, BF16, transformers_version=SEMANTICS)
+    fp32keep.keep_aware_cast(model, BF16, plan=plan)
+    return model, plan
+
+
+def tied_across_units_model() -> tuple[nn.Module, fp32keep.KeepPlan | None]:
+    torch.manual_seed(0)
+    model = Stack().to(BF16)
+    model.layers[1].attn.weight = model.layers[0].attn.weight
+    return model, None
+
+
+def degraded_model() -> tuple[nn.Module, fp32keep.KeepPlan | None]:
+    torch.manual_seed(0)
+    model = stack_class(strict=["wo"])()
+    plan = fp32keep.resolve_keep_plan(model, BF16, transformers_version=SEMANTICS)
+    model.to(BF16)  # a blanket cast instead of keep_aware_cast
+    return model, plan
+
+
+def mixed_dtype_unit_model() -> tuple[nn.Module, fp32keep.KeepPlan | None]:
+    return forced_fp32_norms(), None
+
+
+@pytest.mark.parametrize(
+    ("reason", "build", "fqn", "remedy"),
+    [
+        pytest.param(
+            "root-owned",
+            root_owned_model,
+            "query_tokens",
+            "move it into a submodule",
+            id="root-owned",
+        ),
+        pytest.param(
+            "mixed-unit",
+            mixed_unit_model,
+            "layers.1.attn.time_decay",
+            "declare the whole module kept",
+            id="mixed-unit",
+        ),
+        pytest.param(
+            "tied-across-units",
+            tied_across_units_model,
+            "layers.0.attn.weight",
+            "Wrap a common ancestor",
+            id="tied-across-units",
+        ),
+        pytest.param(
+            "degraded",
+            degraded_model,
+            "layers.0.wo.weight",
+            "fp32keep.keep_aware_cast",
+            id="degraded",
+        ),
+        pytest.param(
+            "mixed-dtype-unit",
+            mixed_dtype_unit_model,
+            "layers.0.input_layernorm.weight",
+            "upcast_to_fp32_master",
+            id="mixed-dtype-unit",
+        ),
+    ],
+)
+def test_layout_refusal_leaves_every_rank_untouched(
+    mesh: DeviceMesh,
+    reason: str,
+    build: Callable[[], tuple[nn.Module, fp32keep.KeepPlan | None]],
+    fqn: str,
+    remedy: str,
+) -> None:
+    model, plan = build()
     before = snapshot(model)
-    with pytest.raises(KeepLayoutError) as error:
-        fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=BF16_POLICY, plan=plan)
-    assert set(error.value.fqns) == {"layers.0.attn.time_decay", "layers.1.attn.time_decay"}
+    error = refused_on_every_rank(
+        lambda: fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=BF16_POLICY, plan=plan),
+        KeepLayoutError,
+        "nothing was sharded",
+    )
+    assert {problem.reason for problem in error.problems} == {reason}
+    assert fqn in error.fqns
+    assert f"{fqn}" in str(error) and f"[{reason}]" in str(error) and remedy in str(error)
     assert_unchanged(model, before)
 
 
@@ -263,17 +368,140 @@ def test_frozen_kept_parameter_in_a_mixed_module_is_replicated_fp32(mesh: Device
 def test_apply_twice_is_refused(mesh: DeviceMesh) -> None:
     model, plan = kept_stack(["wo"])
     fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=BF16_POLICY, plan=plan)
-    with pytest.raises(ValueError, match="already sharded"):
-        fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=BF16_POLICY, plan=plan)
+    units = fsdp_modules(model)
+    before = snapshot(model)
+    error = refused_on_every_rank(
+        lambda: fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=BF16_POLICY, plan=plan),
+        ValueError,
+        r"already sharded: \['<root>', 'layers\.0', .*Call apply_fsdp2 once, on an unsharded model",
+    )
+    assert type(error) is ValueError
+    assert fsdp_modules(model) == units  # not sharded a second time
+    assert_same_parameters(model, before)
 
 
-def test_bad_policy_dtype_is_refused(mesh: DeviceMesh) -> None:
+def test_apply_without_a_mesh_is_refused() -> None:
     model, plan = kept_stack(["wo"])
     before = snapshot(model)
-    with pytest.raises(ValueError, match=r"mp_policy\.param_dtype must be a floating dtype"):
-        fp32keep.apply_fsdp2(
-            model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8), plan=plan
-        )
+    refused_on_every_rank(
+        lambda: fp32keep.apply_fsdp2(model, mesh=None, mp_policy=BF16_POLICY, plan=plan),  # type: ignore[arg-type]
+        TypeError,
+        r"mesh must be a torch\.distributed\.device_mesh\.DeviceMesh, got None",
+    )
+    assert_unchanged(model, before)
+
+
+def test_apply_with_a_mesh_fsdp2_cannot_shard_over_is_refused(mesh: DeviceMesh) -> None:
+    # "Wrong size" for apply_fsdp2 is a mesh FSDP2 cannot use: neither 1-D (FSDP) nor 2-D
+    # (HSDP). A smaller 1-D or a 2-D mesh is valid here (composition with TP or PP); the
+    # loader is what needs the whole process group (next test).
+    world = dist.get_world_size()
+    cube = init_device_mesh(mesh.device_type, (world, 1, 1))
+    model, plan = kept_stack(["wo"])
+    before = snapshot(model)
+    error = refused_on_every_rank(
+        lambda: fp32keep.apply_fsdp2(model, mesh=cube, mp_policy=BF16_POLICY, plan=plan),
+        ValueError,
+        r"1-?D or 2-?D",
+    )
+    # names the offending mesh (torch's message shows it; a message of ours, its shape)
+    assert str(cube) in str(error) or f"({world}, 1, 1)" in str(error), error
+    assert_unchanged(model, before)
+
+
+def other_mesh(mesh: DeviceMesh, kind: str) -> DeviceMesh:
+    """A mesh apply_fsdp2 accepts but load_full_state_dict cannot serve."""
+    world = dist.get_world_size()
+    if kind == "sub-mesh":  # a 1-D mesh of one rank: each rank holds a whole copy
+        return init_device_mesh(mesh.device_type, (world, 1), mesh_dim_names=("dp", "alone"))[
+            "alone"
+        ]
+    return init_device_mesh(mesh.device_type, (1, world), mesh_dim_names=("replicate", "shard"))
+
+
+@pytest.mark.parametrize(
+    ("kind", "shape"),
+    [pytest.param("sub-mesh", "(1,)", id="sub-mesh"), pytest.param("hsdp", "(1, N)", id="hsdp")],
+)
+def test_load_into_a_model_sharded_over_a_mesh_of_the_wrong_size(
+    mesh: DeviceMesh, kind: str, shape: str
+) -> None:
+    model, plan = kept_stack(["wo"])
+    fp32keep.apply_fsdp2(model, mesh=other_mesh(mesh, kind), mp_policy=BF16_POLICY, plan=plan)
+    before = snapshot(model)
+    source = fresh_full_state()
+    held = dict_snapshot(source)
+    error = refused_on_every_rank(
+        lambda: fp32keep.load_full_state_dict(model, source if rank() == 0 else None),
+        NotImplementedError,
+        "on a 1-D mesh over the whole process group",
+    )
+    text = str(error)
+    assert f"over a mesh of shape {shape.replace('N', str(dist.get_world_size()))}" in text
+    assert text.startswith("embed.weight is sharded as")  # names the parameter
+    assert "set_model_state_dict" in text  # and what to use instead
+    assert_same_parameters(model, before)
+    assert_dict_unchanged(source, held)
+
+
+@pytest.mark.parametrize(
+    ("field", "bad", "expected", "match"),
+    [
+        pytest.param(
+            "param_dtype",
+            torch.int32,
+            ValueError,
+            r"mp_policy\.param_dtype must be a floating dtype \(torch\.float16.*got torch\.int32",
+            id="param_dtype-int32",
+        ),
+        pytest.param(
+            "param_dtype",
+            "bf17",
+            TypeError,
+            r"mp_policy\.param_dtype must be a torch\.dtype such as torch\.bfloat16, got 'bf17'",
+            id="param_dtype-bf17",
+        ),
+        pytest.param(
+            "reduce_dtype",
+            torch.int32,
+            ValueError,
+            r"mp_policy\.reduce_dtype must be a floating dtype",
+            id="reduce_dtype-int32",
+        ),
+        pytest.param(
+            "reduce_dtype",
+            "bf17",
+            TypeError,
+            r"mp_policy\.reduce_dtype must be a torch\.dtype",
+            id="reduce_dtype-bf17",
+        ),
+        pytest.param(
+            "output_dtype",
+            torch.int32,
+            ValueError,
+            r"mp_policy\.output_dtype must be a floating dtype",
+            id="output_dtype-int32",
+        ),
+        pytest.param(
+            "output_dtype",
+            "bf17",
+            TypeError,
+            r"mp_policy\.output_dtype must be a torch\.dtype",
+            id="output_dtype-bf17",
+        ),
+    ],
+)
+def test_bad_policy_dtype_is_refused(
+    mesh: DeviceMesh, field: str, bad: object, expected: type[Exception], match: str
+) -> None:
+    model, plan = kept_stack(["wo"])
+    before = snapshot(model)
+    policy = MixedPrecisionPolicy(**{field: bad})  # type: ignore[arg-type]
+    refused_on_every_rank(
+        lambda: fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=policy, plan=plan),
+        expected,
+        match,
+    )
     assert_unchanged(model, before)
 
 
@@ -413,19 +641,23 @@ def _every_rank_raises(
     before = fp32keep.gather_full_state_dict(model)
     source: dict[str, object] = dict(fresh_full_state())
     mutate(source)
-    with pytest.raises(StateDictError, match=match) as error:
-        fp32keep.load_full_state_dict(model, source if rank() == 0 else None)
-    messages: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, str(error.value))
-    assert len(set(messages)) == 1, messages  # the same error on every rank
+    held = dict_snapshot(source)
+    error = refused_on_every_rank(  # the same error on every rank
+        lambda: fp32keep.load_full_state_dict(model, source if rank() == 0 else None),
+        StateDictError,
+        match,
+    )
+    assert "does not fit the model; nothing was loaded" in str(error)
+    assert_dict_unchanged(source, held)
     after = fp32keep.gather_full_state_dict(model)
     assert all(torch.equal(after[k], before[k]) for k in before)  # nothing loaded
-    return error.value
+    return error
 
 
 def test_load_missing_key(mesh: DeviceMesh) -> None:
     error = _every_rank_raises(mesh, lambda sd: sd.pop("layers.1.wo.weight"), "missing keys")
     assert error.missing == ("layers.1.wo.weight",)
+    assert "'layers.1.wo.weight'" in str(error) and "Pass strict=False" in str(error)
 
 
 def test_load_unexpected_key(mesh: DeviceMesh) -> None:
@@ -433,6 +665,7 @@ def test_load_unexpected_key(mesh: DeviceMesh) -> None:
         mesh, lambda sd: sd.__setitem__("layers.9.wo.weight", torch.zeros(2)), "unexpected keys"
     )
     assert error.unexpected == ("layers.9.wo.weight",)
+    assert "'layers.9.wo.weight'" in str(error) and "Pass strict=False" in str(error)
 
 
 def test_load_shape_mismatch(mesh: DeviceMesh) -> None:
@@ -471,19 +704,41 @@ def test_load_non_strict_reports_and_loads_the_rest(mesh: DeviceMesh) -> None:
 
 def test_load_dict_on_wrong_or_no_rank(mesh: DeviceMesh) -> None:
     model = sharded_kept_stack(mesh)
+    before = snapshot(model)
     source = fresh_full_state()
-    with pytest.raises(ValueError, match=r"held by ranks \[0, 1\]"):
-        fp32keep.load_full_state_dict(model, source)
-    with pytest.raises(ValueError, match="held by no rank"):
-        fp32keep.load_full_state_dict(model, None)
-    with pytest.raises(ValueError, match=r"held by ranks \[1\]"):
-        fp32keep.load_full_state_dict(model, source if rank() == 1 else None)
+    held = dict_snapshot(source)
+    remedy = r"it must be held by src_rank=0 alone \(pass None on every other rank\)"
+    everyone = re.escape(f"ranks {list(range(dist.get_world_size()))}")
+    for given, where in ((source, everyone), (None, "no rank")):
+        refused_on_every_rank(
+            lambda given=given: fp32keep.load_full_state_dict(model, given),  # type: ignore[misc]
+            ValueError,
+            rf"held by {where}; {remedy} \[raised on rank \d\]",
+            same_message=False,  # each rank names itself
+        )
+    refused_on_every_rank(
+        lambda: fp32keep.load_full_state_dict(model, source if rank() == 1 else None),
+        ValueError,
+        rf"held by ranks \[1\]; {remedy}",
+        same_message=False,
+    )
+    assert_same_parameters(model, before)
+    assert_dict_unchanged(source, held)
 
 
-def test_load_before_apply_is_refused(mesh: DeviceMesh) -> None:
+def test_load_before_apply_is_refused() -> None:
     model, _ = kept_stack(["wo"])
-    with pytest.raises(ValueError, match=r"not sharded: call fp32keep\.apply_fsdp2"):
-        fp32keep.load_full_state_dict(model, fresh_full_state() if rank() == 0 else None)
+    before = snapshot(model)
+    source = fresh_full_state()
+    held = dict_snapshot(source)
+    refused_on_every_rank(
+        lambda: fp32keep.load_full_state_dict(model, source if rank() == 0 else None),
+        ValueError,
+        r"KeptStack is not sharded: call fp32keep\.apply_fsdp2\(model, \.\.\.\) before "
+        r"load_full_state_dict \(for an unsharded model use model\.load_state_dict\)",
+    )
+    assert_unchanged(model, before)
+    assert_dict_unchanged(source, held)
 
 
 # --- a real Transformers model ----------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from tests.error_bounds import INTERRUPT_BOUND_S, note_elapsed
 from tests.plugin._inner import InnerProject, leftover_processes
 
 MARKED_FILE = """
@@ -45,6 +46,84 @@ def test_xdist_workers_each_get_their_own_ranks(inner: InnerProject) -> None:
     assert all(len(pids) == 2 for pids in workers.values()), workers
     assert not workers["gw0"] & workers["gw1"]
     assert {r["rank"] for r in inner.records("unmarked")} == {"parent"}
+    assert leftover_processes(inner.tag) == []
+
+
+WORKER_DEATH = f"""
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rankrec import RECORDS, record
+
+
+def parent_of(pid):
+    with open(f"/proc/{{pid}}/stat") as f:
+        return int(f.read().rsplit(")", 1)[-1].split()[1])
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{{pid}}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.fsdp2
+def test_worker_killed_while_its_ranks_run(fsdp2_rank):
+    launcher = os.getppid()  # torchrun, started by the xdist worker's controller
+    record("doomed", launcher=launcher, at=time.time())
+    dist.barrier()
+    if fsdp2_rank == 0:
+        os.kill(parent_of(launcher), signal.SIGKILL)
+    dist.barrier()  # never completes: only the ranks' watchdog can end them
+    while True:
+        time.sleep(0.1)
+
+
+def test_the_dead_workers_ranks_end():
+    # Runs in the other worker, or in the one that replaces the dead worker.
+    deadline = time.monotonic() + 300  # until both ranks are in the doomed test
+    while len(list(RECORDS.glob("doomed.*"))) < 2:
+        assert time.monotonic() < deadline, "the doomed test never started"
+        time.sleep(0.1)
+    doomed = [json.loads(p.read_text()) for p in RECORDS.glob("doomed.*")]
+    pids = {{d["pid"] for d in doomed}} | {{d["launcher"] for d in doomed}}
+    killed_at = max(d["at"] for d in doomed)
+    while any(alive(pid) for pid in pids):
+        assert time.time() - killed_at < {INTERRUPT_BOUND_S}, "ranks outlived their worker"
+        time.sleep(0.1)
+    record("gone", seconds=time.time() - killed_at)
+
+
+@pytest.mark.fsdp2
+def test_marked_test_of_a_live_worker_passes():
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    assert value.item() == 2
+"""
+
+
+def test_xdist_worker_killed_mid_test_is_reported_and_its_ranks_end(inner: InnerProject) -> None:
+    inner.write(test_worker_death=WORKER_DEATH)
+    result = inner.run("-n", "2", "-rA")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*worker 'gw?' crashed while running "
+            "'test_worker_death.py::test_worker_killed_while_its_ranks_run'*",
+        ]
+    )
+    result.stdout.fnmatch_lines(["*replacing crashed worker gw?*"])
+    (gone,) = inner.records("gone")
+    assert gone["seconds"] < INTERRUPT_BOUND_S
+    note_elapsed(gone["seconds"])
     assert leftover_processes(inner.tag) == []
 
 

@@ -2,6 +2,7 @@
 
 One inner session (``--fsdp-timeout=10``, so the process-group timeout is 70 s) runs each fault
 followed by a passing test, which must get fresh ranks; at the end nothing is left running.
+Each fault's time to its report is bounded (tests/error_bounds.py, docs/errors.md).
 """
 
 from __future__ import annotations
@@ -10,6 +11,13 @@ import re
 
 import pytest
 
+from tests.error_bounds import (
+    HANG_BOUND_S,
+    INNER_FSDP_TIMEOUT_S,
+    PYTEST_TIMEOUT_BOUND_S,
+    RANK_FAULT_BOUND_S,
+    note_elapsed,
+)
 from tests.plugin._inner import (
     WALL_CLOCK_CONFTEST,
     InnerProject,
@@ -72,6 +80,16 @@ def test_ok_after_signal():
     ok("after_signal")
 
 
+def test_out_of_memory_while_peer_waits(fsdp2_rank):
+    if fsdp2_rank == 1:
+        bytearray(1 << 62)  # a real allocation failure: 4 EiB, refused by the allocator
+    dist.all_reduce(torch.ones(1))
+
+
+def test_ok_after_out_of_memory():
+    ok("after_out_of_memory")
+
+
 def test_skip_while_peer_waits(fsdp2_rank):
     if fsdp2_rank == 1:
         pytest.skip("rank 1 has nothing to do")
@@ -93,12 +111,15 @@ def test_ok_after_xfail():
     ok("after_xfail")
 
 
-def test_hang_until_fsdp_timeout():
+def test_hang_in_a_collective_until_fsdp_timeout(fsdp2_rank):
+    # Rank 0 waits in a collective that rank 1 never joins: neither fails by itself.
     def hang_here():
         while True:
             time.sleep(0.05)
 
-    hang_here()
+    if fsdp2_rank == 1:
+        hang_here()
+    dist.all_reduce(torch.ones(1))
 
 
 def test_ok_after_hang():
@@ -120,6 +141,14 @@ def test_hang_until_pytest_timeout():
 
 def test_ok_last():
     ok("last")
+
+
+def test_unknown_fixture(no_such_fixture):
+    pass
+
+
+def test_ok_after_unknown_fixture():
+    ok("after_unknown_fixture")
 """
 
 
@@ -127,7 +156,7 @@ def test_ok_last():
 def session(module_inner: InnerProject) -> tuple[InnerProject, pytest.RunResult]:
     """The inner session, run once for every check of this module."""
     module_inner.write(test_faults=INNER_TESTS, conftest=WALL_CLOCK_CONFTEST)
-    result = module_inner.run("-rA", "--fsdp-timeout=10")
+    result = module_inner.run("-rA", f"--fsdp-timeout={INNER_FSDP_TIMEOUT_S}")
     return module_inner, result
 
 
@@ -139,17 +168,19 @@ def test_faults_fail_and_every_later_test_passes(
     session: tuple[InnerProject, pytest.RunResult],
 ) -> None:
     _, result = session
-    result.assert_outcomes(passed=8, failed=6, xfailed=1)
+    result.assert_outcomes(passed=10, failed=7, errors=1, xfailed=1)
     result.stdout.fnmatch_lines_random(
         [
             "PASSED test_faults.py::test_ok_first",
             "PASSED test_faults.py::test_ok_after_raise",
             "PASSED test_faults.py::test_ok_after_exit",
             "PASSED test_faults.py::test_ok_after_signal",
+            "PASSED test_faults.py::test_ok_after_out_of_memory",
             "PASSED test_faults.py::test_ok_after_skip",
             "PASSED test_faults.py::test_ok_after_xfail",
             "PASSED test_faults.py::test_ok_after_hang",
             "PASSED test_faults.py::test_ok_last",
+            "PASSED test_faults.py::test_ok_after_unknown_fixture",
         ]
     )
 
@@ -161,9 +192,11 @@ def test_each_fault_is_followed_by_fresh_ranks(
     by_test: dict[str, set[int]] = {}
     for record in project.records("ok"):
         by_test.setdefault(record["test"], set()).add(record["pid"])
-    assert len(by_test) == 8 and all(len(pids) == 2 for pids in by_test.values()), by_test
+    assert len(by_test) == 10 and all(len(pids) == 2 for pids in by_test.values()), by_test
+    # A missing fixture is the test's error, not a fault of the ranks: they are kept.
+    assert by_test.pop("after_unknown_fixture") == by_test["last"], by_test
     every_pid = [pid for pids in by_test.values() for pid in pids]
-    assert len(set(every_pid)) == 16, f"a group was reused after a fault: {by_test}"
+    assert len(set(every_pid)) == 18, f"a group was reused after a fault: {by_test}"
 
 
 def test_raise_while_peer_waits_reports_the_real_error_within_seconds(
@@ -176,7 +209,8 @@ def test_raise_while_peer_waits_reports_the_real_error_within_seconds(
     assert "did not finish within 3 s after rank 1 failed" in text
     assert "in test_raise_while_peer_waits" in text and "in all_reduce" in text  # rank 0's stack
     wall = project.wall_times()["test_faults.py::test_raise_while_peer_waits"]
-    assert wall < 30, f"took {wall:.1f} s: waited for the process-group timeout (70 s)?"
+    assert wall < RANK_FAULT_BOUND_S, f"took {wall:.1f} s: waited for the process-group timeout?"
+    note_elapsed(wall)
 
 
 def test_skip_on_one_rank_while_the_other_waits_fails_within_seconds(
@@ -187,7 +221,7 @@ def test_skip_on_one_rank_while_the_other_waits_fails_within_seconds(
     assert "call failed on rank 0 of 2 (rank 1 skipped)" in text
     assert "no rank failed by itself: stuck after rank 1 skipped" in text
     assert "skipped: rank 1 has nothing to do" in text
-    assert project.wall_times()["test_faults.py::test_skip_while_peer_waits"] < 30
+    assert project.wall_times()["test_faults.py::test_skip_while_peer_waits"] < RANK_FAULT_BOUND_S
 
 
 def test_xfail_on_one_rank_while_the_other_waits_is_an_xfail(
@@ -197,7 +231,7 @@ def test_xfail_on_one_rank_while_the_other_waits_is_an_xfail(
     result.stdout.fnmatch_lines(
         ["XFAIL test_faults.py::test_xfail_while_peer_waits - rank 1 cannot do this yet"]
     )
-    assert project.wall_times()["test_faults.py::test_xfail_while_peer_waits"] < 30
+    assert project.wall_times()["test_faults.py::test_xfail_while_peer_waits"] < RANK_FAULT_BOUND_S
 
 
 def test_exit_code_names_the_rank(session: tuple[InnerProject, pytest.RunResult]) -> None:
@@ -207,26 +241,63 @@ def test_exit_code_names_the_rank(session: tuple[InnerProject, pytest.RunResult]
     # Rank 0 is either stopped by torchrun or fails in its all_reduce first (gloo sees the
     # peer's socket close); either way it is listed, after the root cause.
     assert re.search(r"^-+ rank 0 -+$", text, flags=re.M), text
+    wall = session[0].wall_times()["test_faults.py::test_exit_code"]
+    assert wall < RANK_FAULT_BOUND_S, wall
+    note_elapsed(wall)
 
 
 def test_signal_names_the_rank(session: tuple[InnerProject, pytest.RunResult]) -> None:
     text = section(session, "test_killed_by_signal")
     assert "root cause: rank 0 (first to fail)" in text
     assert "killed by signal 9 (SIGKILL) while running the test" in text
-    _, result = session
+    project, result = session
     result.stdout.fnmatch_lines(["FAILED test_faults.py::test_killed_by_signal - [[]rank 0[]] k*"])
+    wall = project.wall_times()["test_faults.py::test_killed_by_signal"]
+    assert wall < RANK_FAULT_BOUND_S, wall
+    note_elapsed(wall)
+
+
+def test_out_of_memory_names_the_rank_and_the_error(
+    session: tuple[InnerProject, pytest.RunResult],
+) -> None:
+    project, result = session
+    text = section(session, "test_out_of_memory_while_peer_waits")
+    assert "root cause: rank 1 (first to fail)" in text
+    assert "MemoryError" in text and "bytearray(1 << 62)" in text
+    assert "did not finish within 3 s after rank 1 failed" in text  # rank 0, in all_reduce
+    # the summary line names the rank and the error (cut to the terminal's width)
+    result.stdout.fnmatch_lines(
+        ["FAILED test_faults.py::test_out_of_memory_while_peer_waits - [[]rank 1[]] Memory*"]
+    )
+    wall = project.wall_times()["test_faults.py::test_out_of_memory_while_peer_waits"]
+    assert wall < RANK_FAULT_BOUND_S, wall
+    note_elapsed(wall)
+
+
+def test_unknown_fixture_is_an_error_naming_it(
+    session: tuple[InnerProject, pytest.RunResult],
+) -> None:
+    project, _ = session
+    text = section(session, "test_unknown_fixture")
+    assert "fixture 'no_such_fixture' not found" in text
+    assert "use 'pytest --fixtures [testpath]' for help on them." in text
+    wall = project.wall_times()["test_faults.py::test_unknown_fixture"]
+    assert wall < RANK_FAULT_BOUND_S, wall
+    note_elapsed(wall)
 
 
 def test_hang_reports_every_rank_stack_after_the_timeout(
     session: tuple[InnerProject, pytest.RunResult],
 ) -> None:
     project, _ = session
-    text = section(session, "test_hang_until_fsdp_timeout")
-    assert "no rank failed by itself: still running after --fsdp-timeout=10 s" in text
-    # Both ranks' stacks: merged when identical (the usual case), else one block each.
-    assert ("ranks 0,1" in text and "in hang_here" in text) or text.count("in hang_here") == 2
-    wall = project.wall_times()["test_faults.py::test_hang_until_fsdp_timeout"]
-    assert 10 <= wall < 40, wall
+    text = section(session, "test_hang_in_a_collective_until_fsdp_timeout")
+    timeout = INNER_FSDP_TIMEOUT_S
+    assert f"no rank failed by itself: still running after --fsdp-timeout={timeout} s" in text
+    # Both ranks' stacks: rank 0 waits in the collective, rank 1 loops outside it.
+    assert "in all_reduce" in text and "in hang_here" in text, text
+    wall = project.wall_times()["test_faults.py::test_hang_in_a_collective_until_fsdp_timeout"]
+    assert timeout <= wall < HANG_BOUND_S, wall
+    note_elapsed(wall)
 
 
 def test_pytest_timeout_in_the_parent_also_dumps_and_kills(
@@ -239,7 +310,8 @@ def test_pytest_timeout_in_the_parent_also_dumps_and_kills(
     )
     assert "in wait_forever_here" in text
     wall = project.wall_times()["test_faults.py::test_hang_until_pytest_timeout"]
-    assert wall < 10, f"{wall:.1f} s: the fsdp timeout (10 s) ended it, not pytest-timeout"
+    assert wall < PYTEST_TIMEOUT_BOUND_S, f"{wall:.1f} s: the fsdp timeout ended it?"
+    note_elapsed(wall)
 
 
 def test_no_process_left(session: tuple[InnerProject, pytest.RunResult]) -> None:

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from tests.error_bounds import INTERRUPT_BOUND_S, note_elapsed
 from tests.plugin._inner import InnerProject, leftover_processes
 
 INNER_TESTS = """
@@ -57,19 +58,30 @@ def start_until_ranks_run(inner: InnerProject) -> subprocess.Popen[str]:
     return process
 
 
+def gone_within_bound(inner: InnerProject, process: subprocess.Popen[str], sent: float) -> str:
+    """Wait for the pytest process and every rank to end; the time it took is bounded."""
+    output = process.communicate(timeout=INTERRUPT_BOUND_S)[0]
+    left = leftover_processes(inner.tag, wait_s=INTERRUPT_BOUND_S)
+    elapsed = time.monotonic() - sent
+    assert left == [], left
+    assert elapsed < INTERRUPT_BOUND_S, f"{elapsed:.1f} s until every process was gone"
+    note_elapsed(elapsed)
+    return output
+
+
 def test_ctrl_c_kills_every_rank(inner: InnerProject) -> None:
     process = start_until_ranks_run(inner)
+    sent = time.monotonic()
     process.send_signal(signal.SIGINT)
-    output = process.communicate(timeout=60)[0]
+    output = gone_within_bound(inner, process, sent)
     assert process.returncode == pytest.ExitCode.INTERRUPTED, output
     assert "KeyboardInterrupt" in output
-    assert leftover_processes(inner.tag) == []
 
 
 def test_ranks_end_when_the_pytest_process_is_killed_hard(inner: InnerProject) -> None:
     # SIGKILL leaves no chance to clean up; the ranks notice that the controller's socket
     # closed (their watchdog thread) and leave, and torchrun follows them.
     process = start_until_ranks_run(inner)
+    sent = time.monotonic()
     process.kill()
-    process.communicate(timeout=60)
-    assert leftover_processes(inner.tag, wait_s=30) == []
+    gone_within_bound(inner, process, sent)

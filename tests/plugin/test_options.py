@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from tests.error_bounds import PARENT_BOUND_S, within
 from tests.plugin._inner import InnerProject
 
 
@@ -38,26 +39,74 @@ def test_marker_is_registered(pytester: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(["@pytest.mark.fsdp2(nproc=None, backend=None, isolated=False):*"])
 
 
+NPROC_MESSAGE = "expected a positive integer number of ranks, got"
+TIMEOUT_MESSAGE = "expected a positive number of seconds, got"
+
+
 @pytest.mark.parametrize(
     ("arg", "message"),
     [
-        ("--fsdp-nproc=0", "--fsdp-nproc=0: expected a positive integer number of ranks, got '0'"),
-        ("--fsdp-nproc=-2", "--fsdp-nproc=-2: expected a positive integer number of ranks"),
-        ("--fsdp-nproc=two", "--fsdp-nproc=two: expected a positive integer number of ranks"),
-        ("--fsdp-backend=mpi", "--fsdp-backend=mpi: expected one of auto, gloo, nccl, got 'mpi'"),
-        ("--fsdp-timeout=0", "--fsdp-timeout=0: expected a positive number of seconds, got '0'"),
-        ("--fsdp-timeout=-5", "--fsdp-timeout=-5: expected a positive number of seconds"),
-        ("--fsdp-timeout=soon", "--fsdp-timeout=soon: expected a positive number of seconds"),
-        ("--fsdp-timeout=nan", "--fsdp-timeout=nan: expected a positive number of seconds"),
+        pytest.param("--fsdp-nproc=0", f"--fsdp-nproc=0: {NPROC_MESSAGE} '0'", id="nproc-0"),
+        pytest.param("--fsdp-nproc=-1", f"--fsdp-nproc=-1: {NPROC_MESSAGE} '-1'", id="nproc--1"),
+        pytest.param(
+            "--fsdp-nproc=abc", f"--fsdp-nproc=abc: {NPROC_MESSAGE} 'abc'", id="nproc-abc"
+        ),
+        pytest.param(
+            "--fsdp-backend=mpi",
+            "--fsdp-backend=mpi: expected one of auto, gloo, nccl, got 'mpi'",
+            id="backend-mpi",
+        ),
+        pytest.param(
+            "--fsdp-timeout=0", f"--fsdp-timeout=0: {TIMEOUT_MESSAGE} '0'", id="timeout-0"
+        ),
+        pytest.param(
+            "--fsdp-timeout=-5", f"--fsdp-timeout=-5: {TIMEOUT_MESSAGE} '-5'", id="timeout--5"
+        ),
+        pytest.param(
+            "--fsdp-timeout=soon",
+            f"--fsdp-timeout=soon: {TIMEOUT_MESSAGE} 'soon'",
+            id="timeout-soon",
+        ),
+        pytest.param(
+            "--fsdp-timeout=nan", f"--fsdp-timeout=nan: {TIMEOUT_MESSAGE} 'nan'", id="timeout-nan"
+        ),
     ],
 )
 def test_invalid_option_is_a_usage_error_naming_it(
     pytester: pytest.Pytester, arg: str, message: str
 ) -> None:
     pytester.makepyfile("def test_nothing(): pass")
-    result = pytester.runpytest(arg)
+    with within(PARENT_BOUND_S):
+        result = pytester.runpytest(arg)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"ERROR: {message}*"])
+
+
+def test_nccl_with_more_ranks_than_gpus_is_skipped_naming_the_counts(
+    inner: InnerProject, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # 0 GPUs on every machine, CI's GPU runner too
+    inner.write(
+        test_nccl="""
+        import pytest
+        from rankrec import record
+
+        @pytest.mark.fsdp2
+        def test_needs_two_gpus():
+            record("ran")
+        """
+    )
+    with within(PARENT_BOUND_S):
+        result = inner.run("-rs", "--fsdp-backend=nccl", "--fsdp-nproc=2")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(
+        [
+            "SKIPPED [[]1[]] test_nccl.py:*: fsdp2: backend nccl needs 2 CUDA devices "
+            "(one per rank), 0 visible here*"
+        ]
+    )
+    assert inner.records("ran") == []
+    assert not list(inner.path.glob("runpytest-*/fsdp2")), "a group of ranks was started"
 
 
 @pytest.mark.parametrize(
