@@ -6,11 +6,10 @@ in the parent before any rank starts.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
 
 import pytest
 import torch
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fp32keep import KeepLayoutError, apply_fsdp2, resolve_keep_plan
@@ -28,11 +27,6 @@ def case(name: str, dtype: str) -> object:
     return pytest.param(name, dtype, id=f"{name}-{dtype}", marks=marks)
 
 
-def model_wide_kept_unit(model: nn.Module, **kwargs: Any) -> object:
-    """``apply_fsdp2`` with every kept module in one unit that stays gathered for the step."""
-    return apply_fsdp2(model, group_kept="model", **kwargs)
-
-
 @pytest.mark.fsdp2
 @pytest.mark.parametrize(
     "group_kept", [False, "model"], ids=["unit-per-kept-module", "model-wide-kept-unit"]
@@ -43,7 +37,7 @@ def test_zoo_model_keeps_the_contract(
 ) -> None:
     entry: ZooEntry = ZOO[name]
     low = DTYPES[dtype]
-    shard = {"shard": model_wide_kept_unit} if group_kept else {}
+    shard = {"shard": functools.partial(apply_fsdp2, group_kept="model")} if group_kept else {}
 
     def run() -> object:
         return assert_fp32_keep_contract(

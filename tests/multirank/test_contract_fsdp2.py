@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import pytest
@@ -12,9 +13,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 import fp32keep
 from fp32keep import KeepPlan
-from fp32keep.layout import WrapSpec
 from pytest_fp32keep import ContractViolation, assert_fp32_keep_contract
-from pytest_fp32keep.contract import ShardFn
 from tests.core.toys import stack_class
 
 pytestmark = pytest.mark.fsdp2  # every test runs in the ranks (2 by default)
@@ -50,24 +49,6 @@ def test_contract_holds(
     assert all(report.status().values())
 
 
-def grouped(group_kept: fp32keep.layout.KeptGrouping) -> ShardFn:
-    """``apply_fsdp2`` with kept modules grouped into fewer units."""
-
-    def shard(
-        model: nn.Module,
-        *,
-        mesh: DeviceMesh,
-        mp_policy: MixedPrecisionPolicy,
-        plan: KeepPlan,
-        wrap: WrapSpec | None,
-    ) -> object:
-        return fp32keep.apply_fsdp2(
-            model, mesh=mesh, mp_policy=mp_policy, plan=plan, wrap=wrap, group_kept=group_kept
-        )
-
-    return shard
-
-
 @pytest.mark.parametrize("prefetch", [False, True], ids=["no-prefetch", "prefetch"])
 @pytest.mark.parametrize("autocast", [False, True], ids=["direct", "autocast"])
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
@@ -86,7 +67,7 @@ def test_contract_holds_with_grouped_kept_units(
         dtype=dtype,
         autocast=autocast,
         forward_prefetch=prefetch,
-        shard=grouped(group_kept),
+        shard=functools.partial(fp32keep.apply_fsdp2, group_kept=group_kept),
     )
     assert report.ok
     assert {row.materialized for row in report.kept} == {"float32"}

@@ -160,6 +160,14 @@ def session(module_inner: InnerProject) -> tuple[InnerProject, pytest.RunResult]
     return module_inner, result
 
 
+def reported_within(project: InnerProject, test: str, bound: float) -> float:
+    """The inner test's time from start to report: asserted under ``bound``, and recorded."""
+    wall = project.wall_times()[f"test_faults.py::{test}"]
+    assert wall < bound, f"{test} took {wall:.1f} s (bound {bound} s)"
+    note_elapsed(wall)
+    return wall
+
+
 def section(session: tuple[InnerProject, pytest.RunResult], test: str) -> str:
     return failure_section(session[1].stdout.str(), test)
 
@@ -208,9 +216,7 @@ def test_raise_while_peer_waits_reports_the_real_error_within_seconds(
     assert "ValueError: boom on rank 1" in text
     assert "did not finish within 3 s after rank 1 failed" in text
     assert "in test_raise_while_peer_waits" in text and "in all_reduce" in text  # rank 0's stack
-    wall = project.wall_times()["test_faults.py::test_raise_while_peer_waits"]
-    assert wall < RANK_FAULT_BOUND_S, f"took {wall:.1f} s: waited for the process-group timeout?"
-    note_elapsed(wall)
+    reported_within(project, "test_raise_while_peer_waits", RANK_FAULT_BOUND_S)
 
 
 def test_skip_on_one_rank_while_the_other_waits_fails_within_seconds(
@@ -241,9 +247,7 @@ def test_exit_code_names_the_rank(session: tuple[InnerProject, pytest.RunResult]
     # Rank 0 is either stopped by torchrun or fails in its all_reduce first (gloo sees the
     # peer's socket close); either way it is listed, after the root cause.
     assert re.search(r"^-+ rank 0 -+$", text, flags=re.M), text
-    wall = session[0].wall_times()["test_faults.py::test_exit_code"]
-    assert wall < RANK_FAULT_BOUND_S, wall
-    note_elapsed(wall)
+    reported_within(session[0], "test_exit_code", RANK_FAULT_BOUND_S)
 
 
 def test_signal_names_the_rank(session: tuple[InnerProject, pytest.RunResult]) -> None:
@@ -252,9 +256,7 @@ def test_signal_names_the_rank(session: tuple[InnerProject, pytest.RunResult]) -
     assert "killed by signal 9 (SIGKILL) while running the test" in text
     project, result = session
     result.stdout.fnmatch_lines(["FAILED test_faults.py::test_killed_by_signal - [[]rank 0[]] k*"])
-    wall = project.wall_times()["test_faults.py::test_killed_by_signal"]
-    assert wall < RANK_FAULT_BOUND_S, wall
-    note_elapsed(wall)
+    reported_within(project, "test_killed_by_signal", RANK_FAULT_BOUND_S)
 
 
 def test_out_of_memory_names_the_rank_and_the_error(
@@ -269,9 +271,7 @@ def test_out_of_memory_names_the_rank_and_the_error(
     result.stdout.fnmatch_lines(
         ["FAILED test_faults.py::test_out_of_memory_while_peer_waits - [[]rank 1[]] Memory*"]
     )
-    wall = project.wall_times()["test_faults.py::test_out_of_memory_while_peer_waits"]
-    assert wall < RANK_FAULT_BOUND_S, wall
-    note_elapsed(wall)
+    reported_within(project, "test_out_of_memory_while_peer_waits", RANK_FAULT_BOUND_S)
 
 
 def test_unknown_fixture_is_an_error_naming_it(
@@ -281,9 +281,7 @@ def test_unknown_fixture_is_an_error_naming_it(
     text = section(session, "test_unknown_fixture")
     assert "fixture 'no_such_fixture' not found" in text
     assert "use 'pytest --fixtures [testpath]' for help on them." in text
-    wall = project.wall_times()["test_faults.py::test_unknown_fixture"]
-    assert wall < RANK_FAULT_BOUND_S, wall
-    note_elapsed(wall)
+    reported_within(project, "test_unknown_fixture", RANK_FAULT_BOUND_S)
 
 
 def test_hang_reports_every_rank_stack_after_the_timeout(
@@ -309,9 +307,7 @@ def test_pytest_timeout_in_the_parent_also_dumps_and_kills(
         "was killed because the test was interrupted: Timeout (>5.0s) from pytest-timeout" in text
     )
     assert "in wait_forever_here" in text
-    wall = project.wall_times()["test_faults.py::test_hang_until_pytest_timeout"]
-    assert wall < PYTEST_TIMEOUT_BOUND_S, f"{wall:.1f} s: the fsdp timeout ended it?"
-    note_elapsed(wall)
+    reported_within(project, "test_hang_until_pytest_timeout", PYTEST_TIMEOUT_BOUND_S)
 
 
 def test_no_process_left(session: tuple[InnerProject, pytest.RunResult]) -> None:
