@@ -236,7 +236,7 @@ def test_parent_decides_skips_and_refuses_fixtures_without_importing_torch(
             "SKIPPED [[]1[]] test_decide.py:*: not today",
             "SKIPPED [[]1[]] test_decide.py:*: condition holds",
             "SKIPPED [[]1[]] test_decide.py:*: fsdp2: backend nccl needs 64 CUDA devices "
-            "(one per rank), * visible here",
+            "(one per rank), * visible here*",
             "XFAIL*test_decide.py::test_xfail_not_run - *never run",
             "*the fixture 'fsdp2_rank' is available only inside tests marked @pytest.mark.fsdp2*",
             "*the fixture 'fsdp2_mesh' is available only inside tests marked @pytest.mark.fsdp2*",
