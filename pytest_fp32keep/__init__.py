@@ -15,15 +15,15 @@ if TYPE_CHECKING:
         ContractViolation,
         assert_fp32_keep_contract,
     )
-    from pytest_fp32keep.probe import DtypeProbe
-    from pytest_fp32keep.reference import build_unsharded_reference
+    from pytest_fp32keep.contract.probe import DtypeProbe
+    from pytest_fp32keep.contract.reference import build_unsharded_reference
 
 _LAZY = {
     "assert_fp32_keep_contract": "pytest_fp32keep.contract",
     "ContractReport": "pytest_fp32keep.contract",
     "ContractViolation": "pytest_fp32keep.contract",
-    "DtypeProbe": "pytest_fp32keep.probe",
-    "build_unsharded_reference": "pytest_fp32keep.reference",
+    "DtypeProbe": "pytest_fp32keep.contract.probe",
+    "build_unsharded_reference": "pytest_fp32keep.contract.reference",
 }
 
 __all__ = [

@@ -1,21 +1,23 @@
 """pytest entry point (``pytest11``): hooks in lifecycle order, each one thin.
 
-Loading this module imports neither torch nor the controller: a project that installs the plugin
-but collects no marked test pays for option parsing and one marker line; the controller is
-imported and registered only when collection finds a marked test. The fixtures are registered
-here too (they import torch inside their bodies, in the ranks).
+The glue of the package's rooms: the runner's options, marker and controller
+(:mod:`pytest_fp32keep.runner`), the runner's rank fixtures and the contract's fixtures
+(:mod:`pytest_fp32keep.fixtures`). Loading this module imports neither torch nor the controller:
+a project that installs the plugin but collects no marked test pays for option parsing and one
+marker line; the controller is imported and registered only when collection finds a marked test.
+The fixtures import torch inside their bodies, in the ranks.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from pytest_fp32keep import options
-from pytest_fp32keep.rank_context import RANK_CONTEXT_KEY
+from pytest_fp32keep.runner import options
+from pytest_fp32keep.runner.rank_context import RANK_CONTEXT_KEY
 
 #: The fixtures live in their own module; registering it as a plugin of this one makes them
 #: available wherever this plugin is loaded (the pytest process and every rank).
-pytest_plugins = ["pytest_fp32keep.fixtures"]
+pytest_plugins = ["pytest_fp32keep.runner.fixtures", "pytest_fp32keep.fixtures"]
 
 CONTROLLER_PLUGIN_NAME = "fp32keep-controller"
 ON_DEMAND_PLUGIN_NAME = "fp32keep-controller-on-demand"
@@ -52,7 +54,7 @@ class ControllerOnDemand:
         """Hand the collected items to a new controller if any of them is marked."""
         if not any(options.is_marked(item) for item in session.items):
             return
-        from pytest_fp32keep.controller import Fsdp2Controller
+        from pytest_fp32keep.runner.controller import Fsdp2Controller
 
         controller = Fsdp2Controller(self._config, self._settings)
         self._config.pluginmanager.register(controller, CONTROLLER_PLUGIN_NAME)

@@ -40,7 +40,7 @@ from packaging.version import Version
 from torch import nn
 
 from fp32keep import KeepDeclarationError, KeepPlan, resolve_keep_plan
-from pytest_fp32keep.zoo import ZOO, ZooEntry, transformers_version
+from pytest_fp32keep.check.zoo import ZOO, ZooEntry, transformers_version
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 IS_4X = Version(transformers_version()).major < 5

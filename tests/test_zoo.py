@@ -16,7 +16,7 @@ import torch
 from packaging.version import Version
 from torch import nn
 
-from pytest_fp32keep.zoo import (
+from pytest_fp32keep.check.zoo import (
     ZOO,
     ZooEntry,
     available_entries,
@@ -65,7 +65,7 @@ def test_registry_is_consistent() -> None:
 def test_import_does_not_import_transformers() -> None:
     """Importing the zoo is cheap: Transformers is imported by builders only."""
     code = (
-        "import sys, pytest_fp32keep.zoo as z; "
+        "import sys, pytest_fp32keep.check.zoo as z; "
         "assert 'transformers' not in sys.modules, 'transformers imported'; "
         "print(len(z.ZOO))"
     )

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import torch
 from torch import nn
 
@@ -36,3 +39,10 @@ def not_a_module() -> object:
 
 
 NOT_CALLABLE = 3
+
+
+def slow_in_ranks() -> nn.Module:
+    """Builds at once in the command (validation), but sleeps for minutes inside the ranks."""
+    if "RANK" in os.environ:  # set by torchrun for every rank
+        time.sleep(300)
+    return kept_stack()

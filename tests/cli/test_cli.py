@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from pytest_fp32keep.cli import main
+from pytest_fp32keep.check.cli import main
 from tests.error_bounds import PARENT_BOUND_S, within
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,15 +100,89 @@ def test_list_names_the_zoo(capsys: pytest.CaptureFixture[str]) -> None:
     assert "rwkv  (expects KeepLayoutError where its plan keeps anything)" in out
 
 
-def run_cli(*argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pytest_fp32keep.cli", "check", *argv],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
+#: The installed console script, as a user runs it (not ``python -m``).
+CONSOLE_SCRIPT = Path(sys.executable).with_name("fp32keep")
+
+
+def run_cli(
+    *argv: str, cwd: Path = ROOT, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run the console script; its output goes through files, not pipes, so that a rank left
+    behind holding them cannot keep this call waiting."""
+    assert CONSOLE_SCRIPT.exists(), f"the console script is not installed at {CONSOLE_SCRIPT}"
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        completed = subprocess.run(
+            [str(CONSOLE_SCRIPT), "check", *argv],
+            cwd=cwd,
+            env=env,
+            stdout=out,
+            stderr=err,
+            text=True,
+            timeout=900,
+            check=False,
+        )
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(
+            completed.args, completed.returncode, out.read(), err.read()
+        )
+
+
+#: A user's own module, in a folder outside the repository: a tiny real Transformers T5
+#: (keeps ``wo`` under fp16) whose batch comes from ``config.vocab_size``.
+USER_MODULE = """
+from transformers import T5Config, T5ForConditionalGeneration
+
+
+def build():
+    config = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                      decoder_start_token_id=0, dropout_rate=0.0)
+    return T5ForConditionalGeneration(config)
+"""
+
+
+def test_console_script_imports_a_users_module_from_the_current_directory(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "mymodels.py").write_text(USER_MODULE)
+    completed = run_cli("mymodels:build", "--dtype", "fp16", cwd=tmp_path)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    assert "1 passed, 0 failed" in completed.stdout
+    assert "4: stored float32" in completed.stdout  # the four `wo` weights are kept
+
+
+def _processes_marked(marker: str) -> list[int]:
+    """Live processes whose environment carries ``marker`` (inherited from the command)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
+        except OSError:
+            continue
+        if marker.encode() in environ and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads /proc (Linux)")
+def test_timeout_leaves_no_rank_alive(tmp_path: Path) -> None:
+    marker = f"FP32KEEP_TEST_MARK={tmp_path.name}"
+    env = {**os.environ, "FP32KEEP_TEST_MARK": tmp_path.name}
+    # The ranks sleep in the factory long after the timeout: only a kill ends them.
+    completed = run_cli(
+        "tests.cli.targets:slow_in_ranks",
+        "--batch",
+        "tests.cli.targets:toy_batch",
+        "--timeout",
+        "15",
+        env=env,
     )
+    assert completed.returncode == 1
+    assert "did not finish within --timeout 15 s and were killed" in completed.stderr
+    assert _processes_marked(marker) == [], "a rank of the timed-out check is still running"
 
 
 def test_user_targets_in_two_ranks_with_report(tmp_path: Path) -> None:

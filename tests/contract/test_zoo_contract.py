@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fp32keep import KeepLayoutError, apply_fsdp2, resolve_keep_plan
 from pytest_fp32keep import assert_fp32_keep_contract
-from pytest_fp32keep.zoo import ZOO, ZooEntry, available_entries
+from pytest_fp32keep.check.zoo import ZOO, ZooEntry, available_entries
 
 AVAILABILITY = available_entries()
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

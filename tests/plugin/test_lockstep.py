@@ -94,7 +94,7 @@ PROBES = []
 
 
 def test_dtype_probe_and_unsharded_reference(dtype_probe, unsharded_reference, fsdp2_device):
-    from pytest_fp32keep.reference import seeded
+    from pytest_fp32keep.contract.reference import seeded
 
     def factory():
         return torch.nn.Linear(4, 3)

@@ -31,10 +31,12 @@ def test_a_session_without_marked_tests_never_imports_the_controller(
 ) -> None:
     modules = imported_modules(pytester, "def test_plain():\n    pass\n")
     assert "pytest_fp32keep.plugin" in modules  # the plugin itself did load
-    assert not {"pytest_fp32keep.controller", "pytest_fp32keep.launcher"} & set(modules)
+    assert not {"pytest_fp32keep.runner.controller", "pytest_fp32keep.runner.launcher"} & set(
+        modules
+    )
 
 
 def test_a_marked_test_brings_the_controller_in(pytester: pytest.Pytester) -> None:
     source = "import pytest\n\n@pytest.mark.fsdp2\ndef test_marked():\n    pass\n"
     modules = imported_modules(pytester, source)
-    assert {"pytest_fp32keep.controller", "pytest_fp32keep.launcher"} <= set(modules)
+    assert {"pytest_fp32keep.runner.controller", "pytest_fp32keep.runner.launcher"} <= set(modules)

@@ -7,8 +7,8 @@ from typing import Literal
 
 import pytest
 
-from pytest_fp32keep import options, reports
-from pytest_fp32keep.launcher import parse_torchrun_failures
+from pytest_fp32keep.runner import options, reports
+from pytest_fp32keep.runner.launcher import parse_torchrun_failures
 
 INFO = reports.ItemInfo(
     nodeid="test_x.py::test_y",
@@ -95,7 +95,7 @@ Root Cause (first observed failure):
 
 def test_stacks_lose_the_watchdog_thread_and_pytest_frames() -> None:
     dump = """Thread 0x00007f384c9ff6c0 (most recent call first):
-  File "/x/pytest_fp32keep/rank_session.py", line 220 in watch
+  File "/x/pytest_fp32keep/runner/rank_session.py", line 220 in watch
   File "/usr/lib/python3.11/threading.py", line 982 in run
 
 Current thread 0x00007f384df1eb80 (most recent call first):

@@ -36,8 +36,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from pytest_fp32keep.probe import DtypeProbe, diff_boundaries
-from pytest_fp32keep.reference import build_unsharded_reference
+from pytest_fp32keep.contract.probe import DtypeProbe, diff_boundaries
+from pytest_fp32keep.contract.reference import build_unsharded_reference
 
 DIM = 8
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)

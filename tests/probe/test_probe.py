@@ -18,7 +18,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from pytest_fp32keep.probe import (
+from pytest_fp32keep.contract.probe import (
     BoundaryMismatch,
     DtypeProbe,
     OpDtypes,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from pytest_fp32keep.reference import build_unsharded_reference, seeded
+from pytest_fp32keep.contract.reference import build_unsharded_reference, seeded
 
 FP16, FP32 = torch.float16, torch.float32
 

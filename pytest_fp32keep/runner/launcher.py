@@ -1,16 +1,10 @@
-"""Owns the torchrun processes: start a group of ranks, watch it, dump its stacks, kill it.
+"""A group of ranks connected to the controller: start it, watch it, dump its stacks, end it.
 
 A :class:`RankGroup` is one ``torchrun --standalone`` invocation (the real launcher, its
 environment variables, a rendezvous port the OS picks) and the N ranks it spawns, each
-connected back to a socket of ours. The group is started in a session of its own
-(``start_new_session=True``) so the terminal's Ctrl-C reaches only pytest, which then kills
-the group itself.
-
-torchrun (torch elastic) starts every worker in a session of its own too, so killing
-torchrun's process group would leave the ranks alive. :meth:`RankGroup.kill` therefore
-kills, with SIGKILL: every process that descends from torchrun, every process that carries
-this group's token in its environment (the ranks and whatever they started, even when
-orphaned), and torchrun's own group. The token check also protects against PID reuse.
+connected back to a socket of ours. Starting and killing the processes is
+:mod:`pytest_fp32keep.runner.processes`' job (the one place that does it, shared with
+``fp32keep check``); this module adds the connection, readiness, stack dumps and logs.
 
 Every wait here is bounded.
 """
@@ -21,23 +15,19 @@ import contextlib
 import dataclasses
 import os
 import re
-import secrets
 import selectors
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Final
 
-from pytest_fp32keep import protocol
+from pytest_fp32keep.runner import protocol
+from pytest_fp32keep.runner.processes import TorchrunProcess, torchrun_argv
 
 #: Bound on one blocking send to a rank (a request is a few hundred bytes).
 SEND_TIMEOUT_S: Final = 10.0
-#: How long torchrun gets to exit after the kill signal before we stop waiting for it.
-REAP_TIMEOUT_S: Final = 10.0
 #: How long the ranks get to write their stacks after SIGUSR1.
 STACK_DUMP_WAIT_S: Final = 2.0
 #: How often a waiting loop looks at torchrun's liveness.
@@ -110,31 +100,18 @@ class RankHandle:
 
 
 def torchrun_command(spec: LaunchSpec) -> list[str]:
-    """The torchrun command line for ``spec`` (standalone rendezvous, no restarts)."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nnodes=1",
-        f"--nproc-per-node={spec.nproc}",
-        "--max-restarts=0",
-        # torch elastic notices a dead rank at this interval and stops the others.
-        "--monitor-interval=0.1",
-        "-m",
-        "pytest_fp32keep.rank_session",
-        *spec.pytest_args,
-        *spec.files,
-    ]
+    """The torchrun command line for ``spec``: every rank runs the rank session."""
+    return torchrun_argv(
+        spec.nproc, "pytest_fp32keep.runner.rank_session", [*spec.pytest_args, *spec.files]
+    )
 
 
 class RankGroup:
     """One torchrun process and its connected ranks, kept alive across tests."""
 
-    def __init__(self, spec: LaunchSpec, process: subprocess.Popen[bytes], token: str) -> None:
+    def __init__(self, spec: LaunchSpec, process: TorchrunProcess) -> None:
         self.spec = spec
         self.process = process
-        self.token = token
         self.ranks: dict[int, RankHandle] = {}
         self.collection_errors: list[str] = []
         self.dead = False  # killed, or found broken: never to be used again
@@ -152,12 +129,10 @@ class RankGroup:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.bind(("127.0.0.1", 0))  # the OS picks the port: no guessing, no clash
         listener.listen(spec.nproc)
-        token = secrets.token_hex(16)
         env = dict(os.environ)
         env.update(
             {
                 protocol.ENV_CONTROLLER: f"127.0.0.1:{listener.getsockname()[1]}",
-                protocol.ENV_TOKEN: token,
                 protocol.ENV_RUN_DIR: str(spec.run_dir),
                 protocol.ENV_BACKEND: spec.backend,
                 protocol.ENV_PG_TIMEOUT: str(spec.pg_timeout),
@@ -166,17 +141,10 @@ class RankGroup:
                 "PYTEST_ADDOPTS": "",
             }
         )
-        with open(spec.run_dir / "torchrun.log", "wb") as log:
-            process = subprocess.Popen(
-                torchrun_command(spec),
-                cwd=spec.cwd,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        group = cls(spec, process, token)
+        process = TorchrunProcess.spawn(
+            torchrun_command(spec), cwd=spec.cwd, env=env, log=spec.run_dir / "torchrun.log"
+        )
+        group = cls(spec, process)
         try:
             group._await_ready(listener)
         except BaseException:
@@ -193,7 +161,7 @@ class RankGroup:
         ready: set[int] = set()
         try:
             while len(ready) < self.spec.nproc:
-                if self.process.poll() is not None:
+                if not self.process.running():
                     raise LaunchError(
                         self._launch_failure(f"torchrun exited with code {self.process.returncode}")
                     )
@@ -234,7 +202,7 @@ class RankGroup:
         selector: selectors.BaseSelector,
     ) -> None:
         if message["type"] == protocol.HELLO:
-            if message.get("token") != self.token:
+            if message.get("token") != self.process.token:
                 # Not one of ours: some other local process found the port.
                 selector.unregister(channel)
                 channel.close()
@@ -249,7 +217,7 @@ class RankGroup:
     def _launch_failure(self, what: str, stacks: dict[int, str] | None = None) -> str:
         lines = [
             f"fsdp2: could not start {self.spec.nproc} ranks ({self.spec.backend}): {what}.",
-            "Command: " + " ".join(torchrun_command(self.spec)),
+            "Command: " + " ".join(self.process.argv),
             f"Logs: {self.spec.run_dir}",
             "--- torchrun output (end) ---",
             self.torchrun_log_tail(),
@@ -266,7 +234,7 @@ class RankGroup:
 
     def launcher_running(self) -> bool:
         """Whether torchrun is still running."""
-        return self.process.poll() is None
+        return self.process.running()
 
     def usable(self) -> bool:
         """Whether the group can take another test: running, all ranks connected and idle."""
@@ -291,7 +259,7 @@ class RankGroup:
         offsets: dict[int, int] = {}
         for rank in ranks:
             handle = self.ranks.get(rank)
-            if handle is None or not self._is_ours(handle.pid):
+            if handle is None or not self.process.owns(handle.pid):
                 continue
             path = protocol.stack_file(self.spec.run_dir, rank)
             offsets[rank] = path.stat().st_size if path.exists() else 0
@@ -316,11 +284,7 @@ class RankGroup:
 
     def wait_launcher_exit(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for torchrun to exit by itself; whether it did."""
-        try:
-            self.process.wait(timeout=max(0.0, timeout))
-        except subprocess.TimeoutExpired:
-            return False
-        return True
+        return self.process.wait(timeout) is not None
 
     def rank_exits(self) -> dict[int, RankExit]:
         """How torchrun reported the ranks that ended (from its failure summary)."""
@@ -378,48 +342,9 @@ class RankGroup:
     def kill(self) -> None:
         """SIGKILL every process of this group and reap torchrun. Idempotent, bounded."""
         self.dead = True
-        pids = set(self._processes())
-        own_group = os.getpgrp()
-        groups = {self.process.pid}
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                groups.add(os.getpgid(pid))
-        for pgid in groups - {own_group}:
-            with contextlib.suppress(OSError):
-                os.killpg(pgid, signal.SIGKILL)
-        for pid in pids - {os.getpid()}:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(timeout=REAP_TIMEOUT_S)
+        self.process.kill(known_pids=[handle.pid for handle in self.ranks.values()])
         for handle in self.ranks.values():
             handle.channel.close()
-
-    def _processes(self) -> list[int]:
-        """torchrun's descendants plus every process carrying this group's token."""
-        if not Path("/proc/self/stat").exists():  # not Linux: what we know first-hand
-            return [h.pid for h in self.ranks.values() if self._is_ours(h.pid)]
-        children: dict[int, list[int]] = {}
-        for pid, ppid in _process_table():
-            children.setdefault(ppid, []).append(pid)
-        found: set[int] = set()
-        todo = [self.process.pid]
-        while todo:
-            for child in children.get(todo.pop(), []):
-                if child not in found:
-                    found.add(child)
-                    todo.append(child)
-        marker = f"{protocol.ENV_TOKEN}={self.token}".encode()
-        for pid, _ in _process_table():
-            if pid not in found and marker in _environ(pid):
-                found.add(pid)
-        return sorted(found)
-
-    def _is_ours(self, pid: int) -> bool:
-        """Whether ``pid`` is still a process of this group (not a reused pid)."""
-        if not Path("/proc/self/stat").exists():  # not Linux: trust the pid while it exists
-            return _exists(pid)
-        return f"{protocol.ENV_TOKEN}={self.token}".encode() in _environ(pid)
 
 
 def shutdown_all(groups: Sequence[RankGroup], timeout: float) -> None:
@@ -451,39 +376,6 @@ def parse_torchrun_failures(text: str) -> dict[int, RankExit]:
             rank = int(match.group(1))
             exits[rank] = RankExit(rank, int(match.group(2)), root)
     return exits
-
-
-def _process_table() -> list[tuple[int, int]]:
-    table: list[tuple[int, int]] = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", encoding="utf-8", errors="replace") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # The command name may hold spaces and parentheses: split after the last ")".
-        fields = stat.rsplit(")", 1)[-1].split()
-        if len(fields) > 1 and fields[0] != "Z":
-            table.append((int(entry.name), int(fields[1])))
-    return table
-
-
-def _environ(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    return True
 
 
 def _size(path: Path) -> int:

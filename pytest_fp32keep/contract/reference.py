@@ -3,7 +3,7 @@
 A contract check compares a sharded model with an unsharded one that starts from exactly the same
 weights, cast the same keep-aware way, and runs in the same context.
 :func:`build_unsharded_reference` makes that model; the plugin's ``unsharded_reference`` fixture
-(``pytest_fp32keep/fixtures.py``) delegates to it, and ``assert_fp32_keep_contract`` uses it.
+(:mod:`pytest_fp32keep.fixtures`) delegates to it, and ``assert_fp32_keep_contract`` uses it.
 
 Two ways in, because a sharded model cannot be un-sharded faithfully:
 

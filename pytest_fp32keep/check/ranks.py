@@ -1,7 +1,7 @@
 """The rank side of ``fp32keep check``: run every case of the contract, rank 0 writes results.
 
-Launched by :mod:`pytest_fp32keep.cli` as
-``torchrun --standalone --nproc-per-node=N -m pytest_fp32keep.check_ranks SPEC OUT``.
+Launched by :mod:`pytest_fp32keep.check.cli` as
+``torchrun --standalone --nproc-per-node=N -m pytest_fp32keep.check.ranks SPEC OUT``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from fp32keep import KeepLayoutError, resolve_keep_plan
+from pytest_fp32keep.check.targets import Target, resolve_targets
 from pytest_fp32keep.contract import CHECKS, ContractViolation, assert_fp32_keep_contract
-from pytest_fp32keep.targets import Target, resolve_targets
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

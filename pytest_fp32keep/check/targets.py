@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from pytest_fp32keep.zoo import ZooEntry
+    from pytest_fp32keep.check.zoo import ZooEntry
 
 
 class TargetError(ValueError):
@@ -109,7 +109,7 @@ def _zoo_batch(entry: ZooEntry, model: nn.Module) -> Any:
 
 def zoo_targets(names: list[str] | None = None) -> tuple[list[Target], Mapping[str, str]]:
     """The built-in zoo entries available in the installed Transformers, and why others are not."""
-    from pytest_fp32keep.zoo import ZOO, available_entries
+    from pytest_fp32keep.check.zoo import ZOO, available_entries
 
     unknown = [name for name in names or [] if name not in ZOO]
     if unknown:

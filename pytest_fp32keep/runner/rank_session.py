@@ -1,6 +1,7 @@
 """The program torchrun starts in every rank: a real pytest session driven in lock-step.
 
-``python -m torch.distributed.run ... -m pytest_fp32keep.rank_session <pytest args> <files>``
+``torchrun ... -m pytest_fp32keep.runner.rank_session <pytest args> <files>``, started by
+:mod:`pytest_fp32keep.runner.processes`.
 
 Each rank:
 
@@ -43,8 +44,9 @@ from typing import IO, Any, Final
 
 import pytest
 
-from pytest_fp32keep import protocol
-from pytest_fp32keep.rank_context import RANK_CONTEXT_KEY, RankContext
+from pytest_fp32keep.runner import protocol
+from pytest_fp32keep.runner.processes import ENV_TOKEN
+from pytest_fp32keep.runner.rank_context import RANK_CONTEXT_KEY, RankContext
 
 #: Exit status of a rank whose controller vanished (it stops at once, wherever it is).
 EXIT_CONTROLLER_GONE: Final = 75
@@ -283,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     _install_stack_dumper(protocol.stack_file(run_dir, rank))
     channel = _connect(
         environ[protocol.ENV_CONTROLLER],
-        environ[protocol.ENV_TOKEN],
+        environ[ENV_TOKEN],
         rank,
         context.local_rank,
         context.world_size,

@@ -14,19 +14,17 @@ Per marked test, in order, and without starting any rank unless the test will ru
 4. the test goes to the group of ranks for its (nproc, backend), started on first use and kept
    alive; ``isolated=True`` gets a group of its own, torn down after it;
 5. every rank runs it; the controller waits, bounded by ``--fsdp-timeout``, for the ranks'
-   reports. When one rank fails and the others do not answer within ``FAILURE_GRACE_S`` they
-   are taken to be stuck in a collective: their stacks are dumped and the group is killed.
-   A rank that dies, or a timeout, also ends the group; the next test gets fresh ranks.
+   reports (:class:`~pytest_fp32keep.runner.flight.Flight`). When one rank fails and the others
+   do not answer within a grace they are taken to be stuck in a collective: their stacks are
+   dumped and the group is killed. A rank that dies, or a timeout, also ends the group; the
+   next test gets fresh ranks.
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
-import enum
-import selectors
 import tempfile
-import time
 import traceback
 import zlib
 from pathlib import Path
@@ -35,23 +33,17 @@ from typing import Final
 import pytest
 from _pytest.skipping import evaluate_skip_marks, evaluate_xfail_marks
 
-from pytest_fp32keep import options, protocol, reports
-from pytest_fp32keep.devices import count_cuda_devices
-from pytest_fp32keep.launcher import LaunchError, LaunchSpec, RankGroup, shutdown_all
+from pytest_fp32keep.runner import options, reports
+from pytest_fp32keep.runner.devices import count_cuda_devices
+from pytest_fp32keep.runner.flight import Flight
+from pytest_fp32keep.runner.launcher import LaunchError, LaunchSpec, RankGroup, shutdown_all
 
-#: After one rank left the test early (failed, skipped, xfailed), how long the others get to
-#: answer before they count as stuck (typically in a collective the first one never reached).
-FAILURE_GRACE_S: Final = 3.0
-#: After one rank dies, how long torchrun gets to stop the others and report exit codes.
-DEATH_GRACE_S: Final = 5.0
 #: Ranks import torch and collect their files before the first test; never allow less.
 MIN_READY_TIMEOUT_S: Final = 120.0
 #: The process-group timeout exceeds the test timeout: the watchdog, not gloo/nccl, decides.
 PG_TIMEOUT_MARGIN_S: Final = 60.0
 #: At the end of the session, how long the ranks get to tear down their session fixtures.
 SHUTDOWN_TIMEOUT_S: Final = 20.0
-#: How often the dispatch loop wakes up without news (to look at torchrun and the clock).
-POLL_S: Final = 0.1
 #: A group whose start failed this many times in a row is not tried again this session.
 MAX_LAUNCH_ATTEMPTS: Final = 2
 
@@ -72,13 +64,6 @@ class Placement:
     key: GroupKey | None = None
     error: str | None = None  # invalid marker: an error of the test
     skip: str | None = None  # cannot run here: a skip decided in the parent
-
-
-class _Stop(enum.Enum):
-    TIMEOUT = "timeout"
-    AFTER_EARLY_EXIT = "after a rank left early"
-    AFTER_DEATH = "after death"
-    INTERRUPTED = "interrupted"
 
 
 def seed_for(nodeid: str) -> int:
@@ -397,7 +382,7 @@ class Fsdp2Controller:
     ) -> tuple[list[reports.RankOutcome], bool]:
         """Run one test on every rank of ``group``; return the outcomes and whether the group
         can be kept for the next test."""
-        flight = _Flight(group, item.nodeid, self._config)
+        flight = Flight(group, item.nodeid, self._config)
         try:
             flight.run(next_nodeid, seed_for(item.nodeid), timeout)
         except BaseException:
@@ -416,192 +401,3 @@ class Fsdp2Controller:
         if group in self._live:
             self._live.remove(group)
         group.kill()
-
-
-class _Flight:
-    """One test in flight on one group: the wait loop and what it learned."""
-
-    def __init__(self, group: RankGroup, nodeid: str, config: pytest.Config) -> None:
-        self.group = group
-        self.nodeid = nodeid
-        self.config = config
-        self.outcomes = {rank: reports.RankOutcome(rank) for rank in range(group.spec.nproc)}
-        self.ended_at: dict[int, float] = {}  # rank -> wall time its connection ended
-        # Ranks that left the normal path (a failed, skipped or xfailed phase), in arrival order.
-        self.left_early: dict[int, str] = {}
-        self.stop: _Stop | None = None
-        self.stop_detail = ""
-        self.timeout = 0.0
-
-    @property
-    def broken(self) -> bool:
-        """The group cannot take another test (a rank died, hung, or the test was cut short)."""
-        return self.stop is not None or bool(self.ended_at)
-
-    def _waiting(self) -> list[int]:
-        return [
-            rank
-            for rank, outcome in self.outcomes.items()
-            if not outcome.finished and rank not in self.ended_at
-        ]
-
-    def run(self, next_nodeid: str | None, seed: int, timeout: float) -> None:
-        """Send the test to every rank and wait, bounded, until each answered or is lost."""
-        self.timeout = timeout
-        for rank in self.group.send_all(protocol.run(self.nodeid, next_nodeid, seed)):
-            self.ended_at[rank] = time.time()
-        selector = selectors.DefaultSelector()
-        for rank, handle in self.group.ranks.items():
-            if rank not in self.ended_at:
-                selector.register(handle.channel, selectors.EVENT_READ, rank)
-        start = time.monotonic()
-        failure_seen: float | None = None
-        death_seen: float | None = start if self.ended_at else None
-        try:
-            while self._waiting():
-                now = time.monotonic()
-                if now >= start + timeout:
-                    self.stop = _Stop.TIMEOUT
-                    break
-                if failure_seen is not None and now >= failure_seen + FAILURE_GRACE_S:
-                    self.stop = _Stop.AFTER_EARLY_EXIT
-                    break
-                if death_seen is not None and now >= death_seen + DEATH_GRACE_S:
-                    self.stop = _Stop.AFTER_DEATH
-                    break
-                if not self.group.launcher_running():
-                    # torchrun is gone; whatever the sockets still hold is read below, then
-                    # every rank that did not answer counts as ended.
-                    self._drain(selector)
-                    for rank in self._waiting():
-                        self.ended_at[rank] = time.time()
-                    break
-                limit = min(POLL_S, start + timeout - now)
-                for key, _ in selector.select(max(limit, 0.0)):
-                    rank = int(key.data)
-                    if self._read(rank, key.fileobj, selector):  # type: ignore[arg-type]
-                        failure_seen = (
-                            failure_seen if failure_seen is not None else time.monotonic()
-                        )
-                    if rank in self.ended_at and death_seen is None:
-                        death_seen = time.monotonic()
-        except pytest.fail.Exception as exc:
-            # An outside timeout (pytest-timeout's signal method) fired while the ranks ran:
-            # turn it into this test's failure, with the ranks' stacks, instead of a crash.
-            self.stop = _Stop.INTERRUPTED
-            self.stop_detail = str(exc)
-        finally:
-            selector.close()
-
-    def _drain(self, selector: selectors.BaseSelector) -> None:
-        for key, _ in selector.select(0):
-            self._read(int(key.data), key.fileobj, selector)  # type: ignore[arg-type]
-
-    def _read(self, rank: int, channel: protocol.Channel, selector: selectors.BaseSelector) -> bool:
-        """Take in what ``rank`` sent; whether it reported a failure."""
-        try:
-            messages = channel.read_available()
-        except (protocol.ConnectionClosed, OSError):
-            self.ended_at[rank] = time.time()
-            selector.unregister(channel)
-            return False
-        failed = False
-        outcome = self.outcomes[rank]
-        for message in messages:
-            if message.get("nodeid") != self.nodeid:
-                continue
-            kind = message["type"]
-            if kind == protocol.REPORT:
-                report = self.config.hook.pytest_report_from_serializable(
-                    config=self.config, data=message["report"]
-                )
-                outcome.reports.append(report)
-                if not report.passed and rank not in self.left_early:
-                    self.left_early[rank] = (
-                        "failed"
-                        if report.failed
-                        else "xfailed"
-                        if hasattr(report, "wasxfail")
-                        else "skipped"
-                    )
-                    failed = True
-            elif kind == protocol.DONE:
-                outcome.finished = True
-                outcome.notes += list(message.get("notes", []))
-                if outcome.phase("teardown") is None:
-                    outcome.fault = reports.RankFault(
-                        "internal",
-                        "finished without a teardown report",
-                        at=time.time(),
-                    )
-            elif kind == protocol.MISSING:
-                outcome.finished = True
-                outcome.fault = reports.RankFault("missing", message["detail"], at=time.time())
-        return failed
-
-    def collect_faults(self) -> None:
-        """After a broken flight: learn how ranks ended, dump the stuck ones, kill the group."""
-        group = self.group
-        if self.stop is None:
-            # Only deaths: torchrun stops the other ranks and prints who failed how.
-            group.wait_launcher_exit(DEATH_GRACE_S)
-        stuck = self._waiting()
-        stacks = group.dump_stacks(stuck) if stuck and group.launcher_running() else {}
-        group.kill()
-        exits = group.rank_exits()
-        now = time.time()
-        for rank, ended in self.ended_at.items():
-            outcome = self.outcomes[rank]
-            if outcome.finished:
-                continue
-            exit_info = exits.get(rank)
-            if exit_info is None:
-                detail = (
-                    "ended without a result (torchrun reported no failure for it: "
-                    "it exited with code 0, or was stopped before torchrun could tell)"
-                )
-                consequence = False
-            elif exit_info.terminated_by_torchrun:
-                detail = "was stopped by torchrun (SIGTERM) after another rank failed"
-                consequence = True
-            else:
-                detail = f"{exit_info.describe()} while running the test"
-                consequence = False
-            outcome.fault = reports.RankFault(
-                "died",
-                detail,
-                summary="a rank died",
-                at=ended,
-                consequence=consequence,
-                log_tail="" if consequence else group.rank_log_tail(rank, self.nodeid),
-            )
-        left = "; ".join(f"rank {r} {how}" for r, how in self.left_early.items()) or "?"
-        dead = ", ".join(str(r) for r in self.ended_at if not self.outcomes[r].finished) or "?"
-        for rank in stuck:
-            if self.stop == _Stop.TIMEOUT:
-                kind = "timeout"
-                summary = f"still running after --fsdp-timeout={self.timeout:g} s"
-                detail = (
-                    f"was still running after --fsdp-timeout={self.timeout:g} s; "
-                    "killed (the next test gets fresh ranks)"
-                )
-            elif self.stop == _Stop.AFTER_EARLY_EXIT:
-                kind = "stuck"
-                summary = f"stuck after {left}"
-                detail = (
-                    f"did not finish within {FAILURE_GRACE_S:g} s after {left} (typically "
-                    "waiting in a collective the other rank never reached); killed"
-                )
-            elif self.stop == _Stop.AFTER_DEATH:
-                kind = "stuck"
-                summary = "stuck after another rank died"
-                detail = (
-                    f"did not finish within {DEATH_GRACE_S:g} s after rank(s) {dead} died; killed"
-                )
-            else:
-                kind = "interrupted"
-                summary = f"interrupted: {self.stop_detail}"
-                detail = f"was killed because the test was interrupted: {self.stop_detail}"
-            self.outcomes[rank].fault = reports.RankFault(
-                kind, detail, summary=summary, at=now, consequence=True, stack=stacks.get(rank, "")
-            )

@@ -15,7 +15,8 @@ A frame is a 4-byte big-endian length followed by a UTF-8 JSON object with a ``t
 Reports travel in pytest's own serialisable form (``pytest_report_to_serializable``), the same
 form pytest-xdist uses, so the controller rebuilds genuine ``TestReport`` objects.
 
-This module is imported by both sides; it uses the standard library only.
+This module is imported by both sides; it uses the standard library only. The token a rank
+sends in ``hello`` is the launch token of :mod:`pytest_fp32keep.runner.processes`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ Message = dict[str, Any]
 
 #: Environment variables the controller sets for torchrun (and so for every rank).
 ENV_CONTROLLER: Final = "FP32KEEP_CONTROLLER"  # "host:port" of the controller socket
-ENV_TOKEN: Final = "FP32KEEP_TOKEN"  # proves that a connection comes from our own ranks
 ENV_RUN_DIR: Final = "FP32KEEP_RUN_DIR"  # per-launch folder: logs, stack dumps, basetemps
 ENV_BACKEND: Final = "FP32KEEP_BACKEND"  # resolved backend: "gloo" or "nccl"
 ENV_PG_TIMEOUT: Final = "FP32KEEP_PG_TIMEOUT"  # process-group timeout in seconds

@@ -219,7 +219,12 @@ class RankFailureRepr(TerminalRepr):
 
 
 #: Frames from these files are pytest's and the rank session's machinery, not the test's.
-_MACHINERY: Final = ("/_pytest/", "/pluggy/", "pytest_fp32keep/rank_session.py", "<frozen runpy>")
+_MACHINERY: Final = (
+    "/_pytest/",
+    "/pluggy/",
+    "pytest_fp32keep/runner/rank_session.py",
+    "<frozen runpy>",
+)
 
 
 def condense_stacks(text: str) -> str:

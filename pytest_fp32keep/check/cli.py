@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,7 +22,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-CHECK_COLUMNS = ("stored", "materialized", "boundary", "operators", "parity", "round trip")
+from pytest_fp32keep.check.render import case_details, case_result, render_markdown, render_text
+from pytest_fp32keep.runner.processes import TorchrunProcess, torchrun_argv
+
 DTYPE_CHOICES = ("bf16", "fp16")
 CONTEXT_CHOICES = ("autocast", "direct")
 
@@ -99,95 +99,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _mark(value: bool | None) -> str:
-    return "-" if value is None else ("pass" if value else "FAIL")
-
-
-def _kept_summary(case: dict[str, Any]) -> str:
-    if case["outcome"] == "refused":
-        refused = case.get("refused", [])
-        more = f" (+{len(refused) - 2} more)" if len(refused) > 2 else ""
-        return f"refused: {', '.join(refused[:2])}{more}"
-    kept = case["kept"]
-    if not kept:
-        return "none"
-    stored = sorted({row["stored"] for row in kept})
-    gathered = sorted({row["materialized"] for row in kept})
-    return f"{len(kept)}: stored {'/'.join(stored)}, all-gathered {'/'.join(gathered)}"
-
-
-def _result(case: dict[str, Any]) -> str:
-    if case["outcome"] == "refused":
-        return "pass (refused)" if case["ok"] else "FAIL (refused)"
-    if case["expect_layout_error"]:
-        return "FAIL (not refused)"
-    return {"pass": "pass", "fail": "FAIL", "error": "ERROR"}[case["outcome"]]
-
-
-def _rows(cases: list[dict[str, Any]]) -> list[list[str]]:
-    rows = []
-    for case in cases:
-        status = case.get("status") or {}
-        rows.append(
-            [case["target"], case["dtype"], case["context"], _result(case)]
-            + [_mark(status.get(check)) for check in CHECK_COLUMNS]
-            + [_kept_summary(case)]
-        )
-    return rows
-
-
-HEADER = ["model", "dtype", "context", "result", *CHECK_COLUMNS, "kept tensors"]
-
-
-def render_text(cases: list[dict[str, Any]]) -> str:
-    """The result table as aligned text."""
-    rows = [HEADER, *_rows(cases)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows
-    )
-
-
-def _details(case: dict[str, Any]) -> list[str]:
-    lines = []
-    for finding in case.get("failures", [])[:20]:
-        lines.append(
-            f"- `{finding['check']}` {finding['subject']}: expected {finding['expected']}, "
-            f"observed {finding['observed']}"
-        )
-    if case["outcome"] in ("error", "refused") and not case["ok"] and case["message"]:
-        lines.append("```\n" + case["message"].strip()[-3000:] + "\n```")
-    return lines
-
-
-def render_markdown(result: dict[str, Any]) -> str:
-    """The report as Markdown, ready for ``$GITHUB_STEP_SUMMARY``."""
-    cases = result["cases"]
-    passed = sum(1 for case in cases if case["ok"])
-    lines = [
-        "## FP32-keep contract",
-        "",
-        f"{passed} of {len(cases)} cases pass — {result['nproc']} ranks on {result['device']}, "
-        f"torch {result['versions']['torch']}, transformers {result['versions']['transformers']}, "
-        f"{result['date']}.",
-        "",
-        "| " + " | ".join(HEADER) + " |",
-        "|" + "---|" * len(HEADER),
-    ]
-    lines += ["| " + " | ".join(row) + " |" for row in _rows(cases)]
-    for name, reason in result.get("unavailable", {}).items():
-        lines.append(f"\n*{name}* not checked: {reason}")
-    failing = [case for case in cases if not case["ok"]]
-    for case in failing:
-        lines += [
-            "",
-            f"### {case['target']} {case['dtype']} ({case['context']}): {_result(case)}",
-            "",
-        ]
-        lines += _details(case)
-    return "\n".join(lines) + "\n"
-
-
 def _versions() -> dict[str, str]:
     versions = {}
     for package in ("torch", "transformers", "pytest-fp32keep"):
@@ -202,35 +113,21 @@ def _launch(spec: dict[str, Any], nproc: int, timeout: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="fp32keep-check-") as work:
         spec_path, out_path = Path(work, "spec.json"), Path(work, "out.json")
         spec_path.write_text(json.dumps(spec))
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            "-m",
-            "pytest_fp32keep.check_ranks",
-            str(spec_path),
-            str(out_path),
-        ]
+        argv = torchrun_argv(nproc, "pytest_fp32keep.check.ranks", [str(spec_path), str(out_path)])
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
         }
-        # A session of its own, so that a timeout kills torchrun and every rank together.
-        process = subprocess.Popen(command, env=env, start_new_session=True)
+        process = TorchrunProcess.spawn(argv, env=env)
         try:
-            code = process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            code = process.wait(timeout)
+        finally:
+            # Also on Ctrl-C and on a timeout: no rank may outlive the command.
+            process.kill()
+        if code is None:
             raise RuntimeError(
                 f"the ranks did not finish within --timeout {timeout} s and were killed"
-            ) from None
-        except KeyboardInterrupt:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            raise
+            )
         if code != 0 or not out_path.exists():
             raise RuntimeError(
                 f"the ranks failed (torchrun exit status {code}); see the output above"
@@ -241,8 +138,12 @@ def _launch(spec: dict[str, Any], nproc: int, timeout: int) -> dict[str, Any]:
 
 def check(args: argparse.Namespace) -> int:
     """Validate the targets here, run every case in the ranks, print and write the report."""
-    from pytest_fp32keep.targets import TargetError, resolve_targets
+    from pytest_fp32keep.check.targets import TargetError, resolve_targets
 
+    # The ranks import a TARGET with the current directory on their path (``python -m`` and
+    # PYTHONPATH, see _launch); the console script's own path lacks it. Validate the same way.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         targets, unavailable = resolve_targets(args.targets, args.batch)
     except TargetError as error:
@@ -276,8 +177,8 @@ def check(args: argparse.Namespace) -> int:
         print(f"not checked: {name}: {reason}")
     for case in result["cases"]:
         if not case["ok"]:
-            print(f"\n{case['target']} {case['dtype']} ({case['context']}): {_result(case)}")
-            print("\n".join(_details(case)))
+            print(f"\n{case['target']} {case['dtype']} ({case['context']}): {case_result(case)}")
+            print("\n".join(case_details(case)))
     if args.report is not None:
         args.report.write_text(render_markdown(result))
         args.report.with_suffix(".json").write_text(json.dumps(result, indent=2))
@@ -290,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fp32keep`` console script."""
     args = build_parser().parse_args(argv)
     if args.list:
-        from pytest_fp32keep.targets import zoo_targets
+        from pytest_fp32keep.check.targets import zoo_targets
 
         targets, unavailable = zoo_targets()
         for target in targets:

@@ -1,0 +1,330 @@
+"""The tiny configs of the zoo, its registry :data:`ZOO`, and what the installed version builds."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import nn
+
+from pytest_fp32keep.check.zoo.batches import causal_lm_batch, seq2seq_batch, vision_language_batch
+from pytest_fp32keep.check.zoo.building import instantiate, make_config
+from pytest_fp32keep.check.zoo.entry import ZooAvailability, ZooEntry
+
+_VOCAB = 64
+_HIDDEN = 32
+_HEADS = 4
+
+
+def _decoder_common() -> dict[str, Any]:
+    """Arguments shared by the decoder-only language models."""
+    return {
+        "vocab_size": _VOCAB,
+        "hidden_size": _HIDDEN,
+        "intermediate_size": 2 * _HIDDEN,
+        "num_hidden_layers": 2,
+        "num_attention_heads": _HEADS,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 1,
+    }
+
+
+def _t5_kwargs() -> dict[str, Any]:
+    return {
+        "vocab_size": _VOCAB,
+        "d_model": _HIDDEN,
+        "d_kv": 8,
+        "d_ff": 2 * _HIDDEN,
+        "num_layers": 2,
+        "num_decoder_layers": 2,
+        "num_heads": _HEADS,
+        "relative_attention_num_buckets": 8,
+        "relative_attention_max_distance": 16,
+        "dropout_rate": 0.0,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "decoder_start_token_id": 0,
+    }
+
+
+def _build_t5() -> nn.Module:
+    return instantiate("T5ForConditionalGeneration", make_config("T5Config", **_t5_kwargs()))
+
+
+def _build_gpt_oss() -> nn.Module:
+    common = _decoder_common()
+    # The default YaRN rope scaling assumes the default context length; keep it.
+    del common["max_position_embeddings"]
+    config = make_config(
+        "GptOssConfig",
+        **common,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        attention_dropout=0.0,
+    )
+    return instantiate("GptOssForCausalLM", config)
+
+
+def _build_ernie4_5_moe() -> nn.Module:
+    config = make_config(
+        "Ernie4_5_MoeConfig",
+        **_decoder_common(),
+        moe_intermediate_size=16,
+        moe_k=2,
+        moe_num_experts=4,
+        moe_num_shared_experts=1,
+        moe_layer_start_index=1,
+    )
+    return instantiate("Ernie4_5_MoeForCausalLM", config)
+
+
+def _build_deepseek_v3() -> nn.Module:
+    common = _decoder_common()
+    common["num_key_value_heads"] = _HEADS
+    config = make_config(
+        "DeepseekV3Config",
+        **common,
+        moe_intermediate_size=16,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        attention_dropout=0.0,
+    )
+    return instantiate("DeepseekV3ForCausalLM", config)
+
+
+def _build_rwkv() -> nn.Module:
+    config = make_config(
+        "RwkvConfig",
+        vocab_size=_VOCAB,
+        context_length=64,
+        hidden_size=_HIDDEN,
+        num_hidden_layers=2,
+        attention_hidden_size=_HIDDEN,
+        intermediate_size=2 * _HIDDEN,
+        rescale_every=0,  # no in-place weight rescaling in eval mode
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=1,
+    )
+    return instantiate("RwkvForCausalLM", config)
+
+
+def _vision_kwargs() -> dict[str, Any]:
+    return {
+        "hidden_size": _HIDDEN,
+        "intermediate_size": 2 * _HIDDEN,
+        "num_hidden_layers": 1,
+        "num_attention_heads": _HEADS,
+        "image_size": 16,
+        "patch_size": 8,
+        "attention_dropout": 0.0,
+    }
+
+
+def _qformer_kwargs() -> dict[str, Any]:
+    return {
+        "vocab_size": _VOCAB,
+        "hidden_size": _HIDDEN,
+        "num_hidden_layers": 1,
+        "num_attention_heads": _HEADS,
+        "intermediate_size": 2 * _HIDDEN,
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+        "cross_attention_frequency": 1,
+        "encoder_hidden_size": _HIDDEN,
+        "max_position_embeddings": 64,
+    }
+
+
+def _opt_kwargs() -> dict[str, Any]:
+    return {
+        "model_type": "opt",
+        "vocab_size": _VOCAB,
+        "hidden_size": _HIDDEN,
+        "word_embed_proj_dim": _HIDDEN,
+        "ffn_dim": 2 * _HIDDEN,
+        "num_hidden_layers": 1,
+        "num_attention_heads": _HEADS,
+        "max_position_embeddings": 64,
+        "dropout": 0.0,
+        "attention_dropout": 0.0,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 1,
+    }
+
+
+def _build_blip2() -> nn.Module:
+    config = make_config(
+        "Blip2Config",
+        vision_config=_vision_kwargs(),
+        qformer_config=_qformer_kwargs(),
+        text_config=_opt_kwargs(),
+        num_query_tokens=4,
+        image_token_index=_VOCAB - 1,
+    )
+    return instantiate("Blip2ForConditionalGeneration", config)
+
+
+def _build_instructblip() -> nn.Module:
+    text = {"model_type": "t5", **_t5_kwargs()}
+    config = make_config(
+        "InstructBlipConfig",
+        vision_config=_vision_kwargs(),
+        qformer_config=_qformer_kwargs(),
+        text_config=text,
+        num_query_tokens=4,
+        image_token_index=_VOCAB - 1,
+    )
+    return instantiate("InstructBlipForConditionalGeneration", config)
+
+
+def _build_afmoe() -> nn.Module:
+    config = make_config(
+        "AfmoeConfig",
+        **_decoder_common(),
+        head_dim=8,
+        moe_intermediate_size=16,
+        num_dense_layers=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_shared_experts=1,
+        global_attn_every_n_layers=2,
+        sliding_window=4,
+    )
+    return instantiate("AfmoeForCausalLM", config)
+
+
+def _build_llama() -> nn.Module:
+    config = make_config("LlamaConfig", **_decoder_common(), attention_dropout=0.0)
+    return instantiate("LlamaForCausalLM", config)
+
+
+_FP16 = (torch.float16,)
+_FP16_BF16 = (torch.float16, torch.bfloat16)
+
+_ENTRIES = (
+    ZooEntry(
+        name="t5",
+        model_class="T5ForConditionalGeneration",
+        build=_build_t5,
+        make_batch=seq2seq_batch,
+        dtypes=_FP16,
+        notes="Regular ['wo']: the FFN output Linear of every block, kept only under fp16. "
+        "Encoder-decoder, tied embeddings (four aliases), FP32 relative position bias.",
+    ),
+    ZooEntry(
+        name="gpt_oss",
+        model_class="GptOssForCausalLM",
+        build=_build_gpt_oss,
+        make_batch=causal_lm_batch,
+        dtypes=_FP16,
+        notes="Regular norms ['post_attention_layernorm', 'input_layernorm', 'norm']: whole "
+        "segments in 4.x, substrings in 5.x (the same names here). MoE with 4 experts.",
+    ),
+    ZooEntry(
+        name="ernie4_5_moe",
+        model_class="Ernie4_5_MoeForCausalLM",
+        build=_build_ernie4_5_moe,
+        make_batch=causal_lm_batch,
+        dtypes=_FP16_BF16,
+        notes="Strict router: ['gate', 'moe_statics'] in 4.x, ['gate.weight', 'moe_statics'] "
+        "in 5.x; kept under bf16 too. Layer 0 dense, layer 1 MoE with 4 experts.",
+    ),
+    ZooEntry(
+        name="deepseek_v3",
+        model_class="DeepseekV3ForCausalLM",
+        build=_build_deepseek_v3,
+        make_batch=causal_lm_batch,
+        dtypes=_FP16_BF16,
+        notes="Strict ['e_score_correction_bias'] (a router buffer) in 5.x only, 5.24 adds "
+        "'gate.weight'; 4.x declares nothing. Layer 0 dense, layer 1 MoE (4 routed experts).",
+    ),
+    ZooEntry(
+        name="rwkv",
+        model_class="RwkvForCausalLM",
+        build=_build_rwkv,
+        make_batch=causal_lm_batch,
+        dtypes=_FP16,
+        expect_layout_error=True,
+        notes="Regular ['time_decay', 'time_first']: parameters of the attention module that "
+        "also owns its low-precision projections, so FSDP2 cannot make them a unit.",
+    ),
+    ZooEntry(
+        name="blip2",
+        model_class="Blip2ForConditionalGeneration",
+        build=_build_blip2,
+        make_batch=vision_language_batch,
+        dtypes=_FP16,
+        expect_layout_error=True,
+        notes="Regular ['query_tokens', 'qformer']: 'query_tokens' is a parameter of the root "
+        "model, which FSDP2 cannot shard apart from the root's low-precision parameters.",
+    ),
+    ZooEntry(
+        name="instructblip",
+        model_class="InstructBlipForConditionalGeneration",
+        build=_build_instructblip,
+        make_batch=vision_language_batch,
+        dtypes=_FP16,
+        expect_layout_error=True,
+        notes="Nested declarations: its own ['query_tokens'] plus the T5 language model's "
+        "['wo'], hand-merged after 5.0.0 had built its dtype plan (so 5.0.0 keeps query_tokens "
+        "only); in 5.1+ 'wo' also catches the Q-Former's 'word_embeddings' (substring).",
+    ),
+    ZooEntry(
+        name="afmoe",
+        model_class="AfmoeForCausalLM",
+        build=_build_afmoe,
+        make_batch=causal_lm_batch,
+        dtypes=_FP16_BF16,
+        notes="Norms and the router's 'expert_bias': all regular up to 5.10 (nothing kept "
+        "under bf16), 'expert_bias' strict in 5.24 (both lists). Layer 1 MoE, 4 experts.",
+    ),
+    ZooEntry(
+        name="llama",
+        model_class="LlamaForCausalLM",
+        build=_build_llama,
+        make_batch=causal_lm_batch,
+        dtypes=_FP16_BF16,
+        notes="Control: declares nothing, so nothing is kept; only its non-persistent "
+        "rotary 'inv_freq' buffer stays FP32, by model code.",
+    ),
+)
+
+#: The registry, in a stable order: name → entry.
+ZOO: Mapping[str, ZooEntry] = MappingProxyType({entry.name: entry for entry in _ENTRIES})
+
+
+def available_entries(names: list[str] | None = None) -> ZooAvailability:
+    """Split the zoo (or the named entries) into buildable and unavailable ones.
+
+    Never raises for an entry the installed version lacks: it lands in ``unavailable``
+    with the reason. An unknown name is a ``KeyError``, a caller's mistake.
+    """
+    selected = list(ZOO) if names is None else names
+    available: dict[str, ZooEntry] = {}
+    unavailable: dict[str, str] = {}
+    for name in selected:
+        entry = ZOO[name]
+        reason = entry.unavailable_reason()
+        if reason is None:
+            available[name] = entry
+        else:
+            unavailable[name] = reason
+    return ZooAvailability(MappingProxyType(available), MappingProxyType(unavailable))

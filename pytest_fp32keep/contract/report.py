@@ -1,0 +1,158 @@
+"""What the contract saw: the findings, the report that holds them, and how both render.
+
+It owns the names of the contract items (:data:`CHECKS`), one observation (:class:`Finding`),
+one row per kept tensor (:class:`KeptTensor`), the report (:class:`ContractReport`: its table,
+summary and JSON) and the assertion error that carries it (:class:`ContractViolation`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Literal
+
+import torch
+
+from pytest_fp32keep.contract.probe import dtype_name
+
+CheckName = Literal["stored", "materialized", "boundary", "operators", "parity", "round trip"]
+CHECKS: tuple[CheckName, ...] = (
+    "stored",
+    "materialized",
+    "boundary",
+    "operators",
+    "parity",
+    "round trip",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One contract item observed for one tensor or module.
+
+    Attributes:
+        check: which contract item.
+        subject: the tensor FQN, module FQN (with call and leaf), or output name.
+        expected: what the contract requires.
+        observed: what happened.
+        ok: whether they agree.
+    """
+
+    check: CheckName
+    subject: str
+    expected: str
+    observed: str
+    ok: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able form."""
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptTensor:
+    """What the contract saw for one kept tensor."""
+
+    fqn: str
+    entry: str
+    list_kind: str
+    stored: str
+    materialized: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able form."""
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class ContractReport:
+    """Everything :func:`assert_fp32_keep_contract` checked, passed or not.
+
+    Attributes:
+        model_name: the model's class name.
+        dtype: the low-precision dtype.
+        context: ``"autocast"`` or ``"direct"``, with forward prefetch on or off.
+        kept: one row per kept tensor name.
+        findings: every observation, passing ones included.
+        notes: context a reader needs (e.g. the control run's gradient error).
+    """
+
+    model_name: str
+    dtype: torch.dtype
+    context: str
+    kept: tuple[KeptTensor, ...]
+    findings: tuple[Finding, ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def failures(self) -> tuple[Finding, ...]:
+        """The findings that break the contract."""
+        return tuple(f for f in self.findings if not f.ok)
+
+    @property
+    def ok(self) -> bool:
+        """True when every finding passed."""
+        return not self.failures
+
+    def status(self) -> dict[CheckName, bool]:
+        """Per contract item: passed (True) or not."""
+        return {check: all(f.ok for f in self.findings if f.check == check) for check in CHECKS}
+
+    def table(self, *, failures_only: bool = False) -> str:
+        """A readable text table of the findings."""
+        rows = [f for f in self.findings if not (failures_only and f.ok)]
+        header = ("check", "subject", "expected", "observed", "")
+        cells = [header] + [
+            (f.check, f.subject, f.expected, f.observed, "ok" if f.ok else "FAIL") for f in rows
+        ]
+        widths = [min(max(len(row[i]) for row in cells), 70) for i in range(len(header))]
+        lines = [
+            "  ".join(cell[:70].ljust(width) for cell, width in zip(row, widths, strict=True))
+            for row in cells
+        ]
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        """One line per contract item, then the kept tensors."""
+        lines = [
+            f"FP32-keep contract for {self.model_name} at {dtype_name(self.dtype)} ({self.context})"
+        ]
+        for check, passed in self.status().items():
+            count = sum(1 for f in self.findings if f.check == check)
+            lines.append(f"  {check:<12} {'pass' if passed else 'FAIL'} ({count} observations)")
+        for row in self.kept:
+            lines.append(
+                f"  kept {row.fqn} [{row.list_kind} {row.entry!r}] stored {row.stored}, "
+                f"all-gathered {row.materialized}"
+            )
+        lines.extend(f"  note: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able form."""
+        return {
+            "model": self.model_name,
+            "dtype": dtype_name(self.dtype),
+            "context": self.context,
+            "ok": self.ok,
+            "status": self.status(),
+            "kept": [row.to_dict() for row in self.kept],
+            "findings": [f.to_dict() for f in self.findings],
+            "notes": list(self.notes),
+        }
+
+    def to_json(self) -> str:
+        """The report as JSON."""
+        return json.dumps(self.to_dict(), indent=2)
+
+
+class ContractViolation(AssertionError):
+    """The FP32-keep contract does not hold; ``report`` holds every finding."""
+
+    def __init__(self, report: ContractReport) -> None:
+        self.report = report
+        failed = sorted({f.check for f in report.failures}, key=CHECKS.index)
+        super().__init__(
+            f"FP32-keep contract broken for {report.model_name} at {dtype_name(report.dtype)} "
+            f"({report.context}): {', '.join(failed)}\n" + report.table(failures_only=True)
+        )

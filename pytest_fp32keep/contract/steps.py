@@ -1,0 +1,214 @@
+"""The steps the contract runs: the implementation under test, and one forward and backward.
+
+It owns the pluggable implementation (:class:`CastFn`, :class:`ShardFn`, :class:`LoadFn` and
+their ``fp32keep`` defaults), the device helpers (the mesh's device, moving a batch, a DTensor's
+local shard or full tensor), FSDP2 prefetching, the forward context (autocast or direct) and
+:func:`forward_backward`, which runs one model on one batch under a :class:`DtypeProbe` and
+returns the :class:`Run` the checks compare.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+
+import fp32keep
+from fp32keep import KeepPlan
+from fp32keep.layout import WrapSpec
+from pytest_fp32keep.contract.probe import DtypeProbe
+
+# --- the implementation under test -----------------------------------------------------------
+
+
+class CastFn(Protocol):
+    """Casts a model for low-precision training in place (the default: keep-aware)."""
+
+    def __call__(self, model: nn.Module, dtype: torch.dtype, plan: KeepPlan) -> object: ...
+
+
+class ShardFn(Protocol):
+    """Shards a model with FSDP2 in place (the default: :func:`fp32keep.apply_fsdp2`)."""
+
+    def __call__(
+        self,
+        model: nn.Module,
+        *,
+        mesh: DeviceMesh,
+        mp_policy: MixedPrecisionPolicy,
+        plan: KeepPlan,
+        wrap: WrapSpec | None,
+    ) -> object: ...
+
+
+class LoadFn(Protocol):
+    """Loads a full state dict held by rank 0 into a sharded model."""
+
+    def __call__(
+        self, model: nn.Module, state_dict: Mapping[str, torch.Tensor] | None
+    ) -> object: ...
+
+
+def default_cast(model: nn.Module, dtype: torch.dtype, plan: KeepPlan) -> object:
+    """``fp32keep``'s keep-aware cast."""
+    return fp32keep.keep_aware_cast(model, dtype, plan=plan)
+
+
+def default_shard(
+    model: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    plan: KeepPlan,
+    wrap: WrapSpec | None,
+) -> object:
+    """``fp32keep``'s keep-aware FSDP2 wrapping."""
+    return fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=mp_policy, plan=plan, wrap=wrap)
+
+
+def default_load(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | None) -> object:
+    """``fp32keep``'s full-state-dict loader."""
+    return fp32keep.load_full_state_dict(model, state_dict)
+
+
+# --- devices and tensors -----------------------------------------------------------------------
+
+
+def device_of(mesh: DeviceMesh) -> torch.device:
+    """This rank's device in ``mesh``."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """``value`` (a tensor, or mappings, lists and tuples of them) moved to ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, Mapping):
+        return {key: to_device(item, device) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_device(item, device) for item in value)
+    return value
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; any other tensor as is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered in full; any other tensor as is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+# --- running one model -------------------------------------------------------------------------
+
+
+def set_prefetch(model: nn.Module, enabled: bool) -> None:
+    """Turn on explicit forward and backward prefetching between the FSDP2 units of ``model``."""
+    # Explicit prefetching: each unit all-gathers the next one during its forward (and the
+    # previous one during backward), in module order, which is forward order for these models.
+    units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+    if not enabled:
+        return
+    for index, unit in enumerate(units):
+        if index + 1 < len(units):
+            unit.set_modules_to_forward_prefetch([units[index + 1]])
+        if index > 0:
+            unit.set_modules_to_backward_prefetch([units[index - 1]])
+
+
+def describe_context(autocast: bool, forward_prefetch: bool) -> str:
+    """The run context as the report names it."""
+    mode = "autocast" if autocast else "direct"
+    return f"{mode}, forward prefetch {'on' if forward_prefetch else 'off'}"
+
+
+@contextlib.contextmanager
+def _context(autocast: bool, device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+    if autocast:
+        with torch.autocast(device.type, dtype=dtype):
+            yield
+    else:
+        yield
+
+
+def _call(model: nn.Module, batch: Any) -> Any:
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, tuple):
+        return model(*batch)
+    return model(batch)
+
+
+def _first_floating(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value if value.is_floating_point() else None
+    if isinstance(value, Mapping):
+        items: Iterable[Any] = value.values()
+    elif isinstance(value, (list, tuple)):
+        items = value
+    else:
+        return None
+    for item in items:
+        found = _first_floating(item)
+        if found is not None:
+            return found
+    return None
+
+
+def _logits_and_loss(
+    output: Any, loss_fn: Callable[[Any], torch.Tensor] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = getattr(output, "logits", None)
+    if not isinstance(logits, torch.Tensor):
+        logits = _first_floating(output)
+    if logits is None:
+        raise TypeError("the model returned no floating tensor; pass loss_fn=")
+    if loss_fn is not None:
+        return logits, loss_fn(output)
+    loss: object = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return logits, loss
+    return logits, logits.float().square().mean()
+
+
+@dataclasses.dataclass
+class Run:
+    """What one forward and backward produced, and the dtypes it recorded."""
+
+    logits: torch.Tensor
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor | None]
+    probe: DtypeProbe
+
+
+def forward_backward(
+    model: nn.Module,
+    batch: Any,
+    *,
+    autocast: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+) -> Run:
+    """Run ``model`` forward on ``batch`` and backward from its loss, under a dtype probe."""
+    probe = DtypeProbe(model, record_grads=False)
+    with probe:
+        with _context(autocast, device, dtype):
+            output = _call(model, batch)
+            logits, loss = _logits_and_loss(output, loss_fn)
+        loss.backward()  # type: ignore[no-untyped-call]
+    grads = {
+        name: (None if param.grad is None else full(param.grad).detach())
+        for name, param in model.named_parameters()
+    }
+    return Run(logits.detach(), loss.detach(), grads, probe)

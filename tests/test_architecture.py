@@ -1,0 +1,130 @@
+"""The package map holds: each room imports only what its docstring allows, no module is huge.
+
+Read with ``ast`` only (nothing is imported), so a violation is reported with the module and the
+import line that breaks the rule.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PLUGIN = ROOT / "pytest_fp32keep"
+LIBRARY = ROOT / "impl" / "fp32keep"
+MAX_MODULE_LINES = 500
+
+
+def _module_name(path: Path) -> str:
+    base = ROOT / "impl" if path.is_relative_to(LIBRARY) else ROOT
+    parts = list(path.relative_to(base).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """``(line, module)`` for every absolute import in ``path``, lazy ones included."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+            # ``from pytest_fp32keep.runner import options`` imports the submodule too
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+    return found
+
+
+def _modules(folder: Path) -> list[Path]:
+    return sorted(folder.rglob("*.py"))
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+#: room -> packages it must never import
+FORBIDDEN = {
+    "fp32keep": ("pytest_fp32keep",),
+    "pytest_fp32keep.runner": ("fp32keep", "pytest_fp32keep.contract", "pytest_fp32keep.check"),
+    "pytest_fp32keep.contract": ("pytest_fp32keep.runner", "pytest_fp32keep.check"),
+}
+
+
+@pytest.mark.parametrize("room", sorted(FORBIDDEN))
+def test_room_imports_only_what_it_may(room: str) -> None:
+    folder = LIBRARY if room == "fp32keep" else ROOT.joinpath(*room.split("."))
+    offences = [
+        f"{_module_name(path)}:{line} imports {imported}"
+        for path in _modules(folder)
+        for line, imported in _imports(path)
+        if any(_within(imported, banned) for banned in FORBIDDEN[room])
+    ]
+    assert offences == [], f"{room} must not import {FORBIDDEN[room]}:\n" + "\n".join(offences)
+
+
+def test_only_the_check_tool_and_the_plugin_glue_import_the_check_tool() -> None:
+    offences = [
+        f"{_module_name(path)}:{line} imports {imported}"
+        for path in _modules(PLUGIN)
+        if not _within(_module_name(path), "pytest_fp32keep.check")
+        for line, imported in _imports(path)
+        if _within(imported, "pytest_fp32keep.check")
+    ]
+    assert offences == []
+
+
+#: What starting or killing rank processes takes: the launcher, a long-lived child, a group kill.
+RANK_PROCESS_MARKS = ("torch.distributed.run", "Popen", "killpg")
+
+
+def test_one_place_starts_and_kills_rank_processes() -> None:
+    """Only :mod:`pytest_fp32keep.runner.processes` launches torchrun or kills process groups
+    (``runner.devices`` runs one bounded ``subprocess.run`` probe, not ranks)."""
+    owners = sorted(
+        _module_name(path)
+        for path in _modules(PLUGIN)
+        if any(mark in path.read_text(encoding="utf-8") for mark in RANK_PROCESS_MARKS)
+    )
+    assert owners == ["pytest_fp32keep.runner.processes"]
+
+
+def test_rooms_say_what_they_own() -> None:
+    for room in ("runner", "contract", "check"):
+        docstring = ast.get_docstring(ast.parse((PLUGIN / room / "__init__.py").read_text()))
+        assert docstring, f"pytest_fp32keep/{room}/__init__.py needs a docstring"
+        assert "import" in docstring, f"the {room} docstring must say what it may import"
+
+
+@pytest.mark.parametrize("folder", [PLUGIN, LIBRARY], ids=["pytest_fp32keep", "fp32keep"])
+def test_no_module_over_the_limit(folder: Path) -> None:
+    too_long = {
+        _module_name(path): lines
+        for path in _modules(folder)
+        if (lines := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
+    }
+    assert too_long == {}, f"split these modules (limit {MAX_MODULE_LINES} lines): {too_long}"
+
+
+def test_the_rule_catches_a_violation(tmp_path: Path) -> None:
+    """Negative control: the import reader sees lazy and ``from`` imports alike."""
+    module = tmp_path / "bad.py"
+    module.write_text(
+        "def f():\n    from pytest_fp32keep.contract import probe\n    import fp32keep.plan\n"
+    )
+    imported = {name for _, name in _imports(module)}
+    assert "pytest_fp32keep.contract.probe" in imported
+    assert "fp32keep.plan" in imported
+    assert any(_within(name, "fp32keep") for name in imported)
+
+
+@pytest.mark.parametrize("folder", [PLUGIN, LIBRARY], ids=["pytest_fp32keep", "fp32keep"])
+def test_no_module_is_shadowed_by_a_package(folder: Path) -> None:
+    """``x.py`` beside ``x/`` is dead code that a wheel would still ship (found after a move)."""
+    shadowed = [
+        str(path) for path in _modules(folder) if (path.with_suffix("") / "__init__.py").exists()
+    ]
+    assert shadowed == []
