@@ -1,7 +1,7 @@
 """The rank side of ``fp32keep check``: run every case of the contract, rank 0 writes results.
 
-Launched by :mod:`pytest_fp32keep.check.cli` as
-``torchrun --standalone --nproc-per-node=N -m pytest_fp32keep.check.ranks SPEC OUT``.
+Launched by :mod:`pytest_fp32keep.check.cli` through :mod:`pytest_fp32keep.runner.processes` as
+``torchrun ... --nproc-per-node=N -m pytest_fp32keep.check.ranks SPEC OUT``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from fp32keep import KeepLayoutError, resolve_keep_plan
 from pytest_fp32keep.check.targets import Target, resolve_targets
 from pytest_fp32keep.contract import CHECKS, ContractViolation, assert_fp32_keep_contract
+from pytest_fp32keep.runner.processes import init_process_group_kwargs
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -32,7 +33,11 @@ def _init() -> str:
     if use_nccl:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     # A short timeout bounds a case that fails on one rank while its peers wait.
-    dist.init_process_group("nccl" if use_nccl else "gloo", timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "nccl" if use_nccl else "gloo",
+        timeout=timedelta(seconds=120),
+        **init_process_group_kwargs(),  # the launch's private FileStore: no TCP listener
+    )
     return "cuda" if use_nccl else "cpu"
 
 

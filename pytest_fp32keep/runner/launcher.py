@@ -1,8 +1,8 @@
 """A group of ranks connected to the controller: start it, watch it, dump its stacks, end it.
 
-A :class:`RankGroup` is one ``torchrun --standalone`` invocation (the real launcher, its
-environment variables, a rendezvous port the OS picks) and the N ranks it spawns, each
-connected back to a socket of ours. Starting and killing the processes is
+A :class:`RankGroup` is one ``torchrun`` invocation (the real launcher and its environment
+variables, with a private file rendezvous) and the N ranks it spawns, each connected back to a
+loopback socket of ours. Starting and killing the processes is
 :mod:`pytest_fp32keep.runner.processes`' job (the one place that does it, shared with
 ``fp32keep check``); this module adds the connection, readiness, stack dumps and logs.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Final
 
 from pytest_fp32keep.runner import protocol
-from pytest_fp32keep.runner.processes import TorchrunProcess, torchrun_argv
+from pytest_fp32keep.runner.processes import TorchrunProcess
 
 #: Bound on one blocking send to a rank (a request is a few hundred bytes).
 SEND_TIMEOUT_S: Final = 10.0
@@ -99,13 +99,6 @@ class RankHandle:
     channel: protocol.Channel
 
 
-def torchrun_command(spec: LaunchSpec) -> list[str]:
-    """The torchrun command line for ``spec``: every rank runs the rank session."""
-    return torchrun_argv(
-        spec.nproc, "pytest_fp32keep.runner.rank_session", [*spec.pytest_args, *spec.files]
-    )
-
-
 class RankGroup:
     """One torchrun process and its connected ranks, kept alive across tests."""
 
@@ -142,7 +135,13 @@ class RankGroup:
             }
         )
         process = TorchrunProcess.spawn(
-            torchrun_command(spec), cwd=spec.cwd, env=env, log=spec.run_dir / "torchrun.log"
+            spec.nproc,
+            "pytest_fp32keep.runner.rank_session",
+            [*spec.pytest_args, *spec.files],
+            work_dir=spec.run_dir,
+            cwd=spec.cwd,
+            env=env,
+            log=spec.run_dir / "torchrun.log",
         )
         group = cls(spec, process)
         try:

@@ -2,7 +2,13 @@
 
 Both the plugin's :class:`~pytest_fp32keep.runner.launcher.RankGroup` and ``fp32keep check``
 start their ranks with :meth:`TorchrunProcess.spawn` and end them with
-:meth:`TorchrunProcess.kill`.
+:meth:`TorchrunProcess.kill`; the ranks initialise their process group with
+:func:`init_process_group_kwargs`.
+
+Nothing listens on a non-loopback address (``docs/security.md``): torchrun's rendezvous and the
+ranks' process group use ``FileStore`` files in a fresh ``0700`` folder instead of a ``TCPStore``
+(which binds to every interface whatever host it is given), the agent shares no store, and
+gloo's and NCCL's own sockets are bound to loopback unless the user chose an interface.
 
 Why killing needs care: torchrun (torch elastic) starts every worker in a session of its own,
 so killing torchrun's process group leaves the ranks alive. :meth:`TorchrunProcess.kill`
@@ -22,35 +28,60 @@ import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 #: Set for torchrun and so inherited by every rank: marks the processes of one launch.
 ENV_TOKEN: Final = "FP32KEEP_TOKEN"
+#: The ``FileStore`` file the ranks initialise their process group from.
+ENV_PROCESS_GROUP_STORE: Final = "FP32KEEP_PROCESS_GROUP_STORE"
+#: The loopback interface, where gloo and NCCL bind unless the user named another one.
+LOOPBACK_INTERFACE: Final = "lo"
 #: How long torchrun gets to exit after the kill signal before we stop waiting for it.
 REAP_TIMEOUT_S: Final = 10.0
 
 
-def torchrun_argv(nproc: int, module: str, args: Sequence[str]) -> list[str]:
+def torchrun_argv(nproc: int, module: str, args: Sequence[str], rendezvous: Path) -> list[str]:
     """``python -m torch.distributed.run`` running ``python -m module args`` in ``nproc`` ranks.
 
-    Standalone rendezvous on one node, no restarts, and a short monitor interval so that torch
-    elastic notices a dead rank quickly and stops the others.
+    One node, a file rendezvous at ``rendezvous`` (no TCP store, unlike ``--standalone``), no
+    restarts, and a short monitor interval so that torch elastic notices a dead rank quickly and
+    stops the others.
     """
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
         "--nnodes=1",
         f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rendezvous}",
+        "--rdzv-conf=store_type=file",
+        f"--rdzv-id={rendezvous.parent.name}",
         "--max-restarts=0",
         "--monitor-interval=0.1",
         "-m",
         module,
         *args,
     ]
+
+
+def init_process_group_kwargs() -> dict[str, Any]:
+    """Keyword arguments for ``dist.init_process_group`` in a rank started by this module.
+
+    The ``FileStore`` of the launch (``init_method=file://...``) with the rank and world size
+    torchrun set; in a process that this module did not start, nothing (``env://``).
+    """
+    store = os.environ.get(ENV_PROCESS_GROUP_STORE)
+    if store is None:
+        return {}
+    return {
+        "init_method": Path(store).as_uri(),
+        "rank": int(os.environ["RANK"]),
+        "world_size": int(os.environ["WORLD_SIZE"]),
+    }
 
 
 class TorchrunProcess:
@@ -64,24 +95,37 @@ class TorchrunProcess:
     @classmethod
     def spawn(
         cls,
-        argv: Sequence[str],
+        nproc: int,
+        module: str,
+        args: Sequence[str],
         *,
+        work_dir: Path,
         cwd: Path | str | None = None,
         env: Mapping[str, str] | None = None,
         log: Path | None = None,
     ) -> TorchrunProcess:
-        """Start ``argv`` (a :func:`torchrun_argv`) in a session of its own.
+        """Start ``python -m module args`` in ``nproc`` ranks under torchrun, in a new session.
 
-        ``env`` replaces the inherited environment (default: this process's), plus the token.
-        With ``log``, stdout and stderr go to that file; without, they are inherited.
+        The rendezvous and process-group stores go to a fresh ``0700`` folder under
+        ``work_dir``, which must outlive the ranks. ``env`` replaces the inherited environment
+        (default: this process's), plus the token and the store. With ``log``, stdout and
+        stderr go to that file; without, they are inherited.
         """
+        private = Path(tempfile.mkdtemp(prefix="stores-", dir=work_dir))  # mode 0700
+        argv = torchrun_argv(nproc, module, args, private / "rendezvous")
         token = secrets.token_hex(16)
         environment = dict(os.environ if env is None else env)
         environment[ENV_TOKEN] = token
+        environment[ENV_PROCESS_GROUP_STORE] = str(private / "process-group")
+        # The agent would otherwise host a TCPStore for the ranks, listening on every interface.
+        environment["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        if Path("/sys/class/net", LOOPBACK_INTERFACE).exists():
+            environment.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_INTERFACE)
+            environment.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK_INTERFACE)
         with contextlib.ExitStack() as stack:
             output = stack.enter_context(open(log, "wb")) if log is not None else None
             popen = subprocess.Popen(
-                list(argv),
+                argv,
                 cwd=cwd,
                 env=environment,
                 stdin=subprocess.DEVNULL,

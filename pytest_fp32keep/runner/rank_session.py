@@ -45,7 +45,7 @@ from typing import IO, Any, Final
 import pytest
 
 from pytest_fp32keep.runner import protocol
-from pytest_fp32keep.runner.processes import ENV_TOKEN
+from pytest_fp32keep.runner.processes import ENV_TOKEN, init_process_group_kwargs
 from pytest_fp32keep.runner.rank_context import RANK_CONTEXT_KEY, RankContext
 
 #: Exit status of a rank whose controller vanished (it stops at once, wherever it is).
@@ -250,12 +250,13 @@ def _init_process_group(context: RankContext, timeout_s: float) -> None:
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
+    store = init_process_group_kwargs()  # the launch's private FileStore: no TCP listener
     if context.backend == "nccl":
         torch.cuda.set_device(context.local_rank)
         device = torch.device("cuda", context.local_rank)
-        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+        dist.init_process_group("nccl", timeout=timeout, device_id=device, **store)
     else:
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group("gloo", timeout=timeout, **store)
 
 
 def _destroy_process_group() -> None:

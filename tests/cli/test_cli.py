@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
@@ -151,26 +154,40 @@ def test_console_script_imports_a_users_module_from_the_current_directory(
     assert "4: stored float32" in completed.stdout  # the four `wo` weights are kept
 
 
-def _processes_marked(marker: str) -> list[int]:
-    """Live processes whose environment carries ``marker`` (inherited from the command)."""
+#: Set for the console script in a test and inherited by all it starts: finds its leftovers.
+MARK_VARIABLE = "FP32KEEP_TEST_MARK"
+
+
+def processes_marked(mark: str) -> list[int]:
+    """Live processes whose environment carries ``MARK_VARIABLE=mark`` (inherited)."""
+    marker = f"{MARK_VARIABLE}={mark}\0".encode()
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            environ = (entry / "environ").read_bytes()
+            environ = (entry / "environ").read_bytes() + b"\0"
             state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
         except OSError:
             continue
-        if marker.encode() in environ and state != "Z":
+        if marker in environ and state != "Z":
             found.append(int(entry.name))
     return found
 
 
+def killed_leftovers(mark: str) -> list[int]:
+    """The processes still marked with ``mark``, killed so that a failure poisons no later test."""
+    leftovers = processes_marked(mark)
+    for pid in leftovers:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return leftovers
+
+
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads /proc (Linux)")
 def test_timeout_leaves_no_rank_alive(tmp_path: Path) -> None:
-    marker = f"FP32KEEP_TEST_MARK={tmp_path.name}"
-    env = {**os.environ, "FP32KEEP_TEST_MARK": tmp_path.name}
+    mark = uuid.uuid4().hex
+    env = {**os.environ, MARK_VARIABLE: mark}
     # The ranks sleep in the factory long after the timeout: only a kill ends them.
     completed = run_cli(
         "tests.cli.targets:slow_in_ranks",
@@ -182,7 +199,7 @@ def test_timeout_leaves_no_rank_alive(tmp_path: Path) -> None:
     )
     assert completed.returncode == 1
     assert "did not finish within --timeout 15 s and were killed" in completed.stderr
-    assert _processes_marked(marker) == [], "a rank of the timed-out check is still running"
+    assert killed_leftovers(mark) == [], "a rank of the timed-out check was still running"
 
 
 def test_user_targets_in_two_ranks_with_report(tmp_path: Path) -> None:
