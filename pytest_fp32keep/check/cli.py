@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_fp32keep.check.render import case_details, case_result, render_markdown, render_text
-from pytest_fp32keep.runner.processes import TorchrunProcess, torchrun_argv
+from pytest_fp32keep.runner.processes import TorchrunProcess
 
 DTYPE_CHOICES = ("bf16", "fp16")
 CONTEXT_CHOICES = ("autocast", "direct")
@@ -60,6 +60,12 @@ def _positive_int(option: str) -> Any:
 def build_parser() -> argparse.ArgumentParser:
     """The ``fp32keep`` command line."""
     parser = argparse.ArgumentParser(prog="fp32keep", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"%(prog)s {_versions()['pytest-fp32keep']}",
+        help="print the installed pytest-fp32keep version and exit",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser(
         "check",
@@ -113,12 +119,17 @@ def _launch(spec: dict[str, Any], nproc: int, timeout: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="fp32keep-check-") as work:
         spec_path, out_path = Path(work, "spec.json"), Path(work, "out.json")
         spec_path.write_text(json.dumps(spec))
-        argv = torchrun_argv(nproc, "pytest_fp32keep.check.ranks", [str(spec_path), str(out_path)])
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
         }
-        process = TorchrunProcess.spawn(argv, env=env)
+        process = TorchrunProcess.spawn(
+            nproc,
+            "pytest_fp32keep.check.ranks",
+            [str(spec_path), str(out_path)],
+            work_dir=Path(work),
+            env=env,
+        )
         try:
             code = process.wait(timeout)
         finally:
