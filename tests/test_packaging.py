@@ -252,3 +252,73 @@ def test_unpacked_sdist_passes_its_own_tests(dists: Dists, tmp_path: Path) -> No
     )
     summary = output.strip().splitlines()[-1]
     assert " passed" in summary, summary
+
+
+USER_TEST = """
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.fsdp2
+def test_collective():
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    assert value.item() == 2
+"""
+
+
+def test_installed_wheel_runs_marked_tests_under_warnings_as_errors(
+    dists: Dists, tmp_path: Path
+) -> None:
+    """As a user meets it: the wheel installed (not editable), a project outside this checkout,
+    ``-W error``. An installed wheel makes pytest mark the package for assertion rewriting, and
+    ``python -m`` in each rank imports it first: the warning must not stop the ranks."""
+    site = tmp_path / "site"
+    installed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--target",
+            site,
+            dists.wheel,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=BUILD_TIMEOUT_S,
+        check=False,
+    )
+    assert installed.returncode == 0, _tail(installed.stderr)
+    project = tmp_path / "user-project"
+    project.mkdir()
+    (project / "test_user.py").write_text(USER_TEST)
+    env = {**os.environ, "PYTHONPATH": str(site)}  # before the checkout's editable install
+    env.pop("PYTEST_ADDOPTS", None)
+    where = subprocess.run(
+        [sys.executable, "-c", WHERE_FROM, "pytest_fp32keep"],
+        cwd=project, env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert str(site) in where.stdout, f"not imported from the installed wheel: {where.stdout}"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "error"],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=INNER_RUN_TIMEOUT_S,
+        check=False,
+    )
+    assert run.returncode == 0, _tail(run.stdout + run.stderr)
+    assert "1 passed" in run.stdout
+    version = subprocess.run(
+        [str(site / "bin" / "fp32keep"), "--version"],
+        cwd=project, env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert (
+        version.stdout.strip()
+        == f"fp32keep {read_toml(ROOT / 'pyproject.toml')['project']['version']}"
+    )

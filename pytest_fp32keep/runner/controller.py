@@ -23,9 +23,11 @@ Per marked test, in order, and without starting any rank unless the test will ru
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import tempfile
 import traceback
+import warnings
 import zlib
 from pathlib import Path
 from typing import Final
@@ -64,6 +66,27 @@ class Placement:
     key: GroupKey | None = None
     error: str | None = None  # invalid marker: an error of the test
     skip: str | None = None  # cannot run here: a skip decided in the parent
+
+
+class RankWarning(UserWarning):
+    """A warning issued inside the ranks of a marked test, relayed to the pytest process."""
+
+
+def relay_warnings(outcomes: list[reports.RankOutcome]) -> None:
+    """Re-issue the ranks' warnings here, one per distinct text, naming the ranks.
+
+    Called while pytest's warnings capture for the item is active (this plugin runs inside
+    ``pytest_runtest_protocol``), so they appear in the warnings summary under the test's id.
+    """
+    ranks_by_text: dict[str, list[int]] = {}
+    for outcome in outcomes:
+        for text in outcome.warnings:
+            ranks_by_text.setdefault(text, []).append(outcome.rank)
+    for text, ranks in ranks_by_text.items():
+        # Under -W error here the warning raises: the ranks ran with the same filters, so a
+        # warning they only recorded is not one the user asked to fail on; drop it.
+        with contextlib.suppress(RankWarning):
+            warnings.warn(RankWarning(f"[{reports.ranks_text(ranks)}] {text}"), stacklevel=1)
 
 
 def seed_for(nodeid: str) -> int:
@@ -212,6 +235,7 @@ class Fsdp2Controller:
                 if group in self._live:
                     self._live.remove(group)
                 shutdown_all([group], SHUTDOWN_TIMEOUT_S)
+            relay_warnings(outcomes)
             return reports.merge(info, outcomes)
 
         group = self._shared_group(key, settings)
@@ -225,6 +249,7 @@ class Fsdp2Controller:
             # their memory) rather than idle until the end of ours. Reaped at session end.
             group.request_exit()
             self._groups.pop(key, None)
+        relay_warnings(outcomes)
         return reports.merge(info, outcomes)
 
     def _is_last_of_group(self, item: pytest.Item) -> bool:
@@ -352,7 +377,7 @@ class Fsdp2Controller:
                     dir=self._run_root_dir(),
                 )
             ),
-            pg_timeout=settings.timeout + PG_TIMEOUT_MARGIN_S,
+            pg_timeout=self._longest_timeout(key, settings) + PG_TIMEOUT_MARGIN_S,
             ready_timeout=max(settings.timeout, MIN_READY_TIMEOUT_S),
         )
         try:
@@ -363,6 +388,16 @@ class Fsdp2Controller:
         self._launch_failures.pop(key, None)
         self._live.append(group)
         return group
+
+    def _longest_timeout(self, key: GroupKey, settings: options.ItemSettings) -> float:
+        """The longest test timeout among the tests this group may run (a marker's
+        ``timeout=`` can exceed ``--fsdp-timeout``): the process group must outlast it."""
+        timeouts = [
+            placement.settings.timeout
+            for placement in self._placements.values()
+            if placement.key == key and placement.settings is not None
+        ]
+        return max([settings.timeout, *timeouts])
 
     def _run_root_dir(self) -> Path:
         """Logs and stack dumps live in the session's basetemp, beside ``tmp_path`` dirs."""

@@ -18,10 +18,21 @@ import pytest
 
 from pytest_fp32keep.runner import protocol, reports
 from pytest_fp32keep.runner.launcher import RankExit, RankGroup
+from pytest_fp32keep.runner.processes import cpu_seconds
 
-#: After one rank left the test early (failed, skipped, xfailed), how long the others get to
-#: answer before they count as stuck (typically in a collective the first one never reached).
+#: After one rank left the test early (failed, skipped, xfailed, or finished), how long the
+#: others may go without progress before they count as stuck (typically in a collective the
+#: first one never reached, where a rank uses no CPU).
 FAILURE_GRACE_S: Final = 3.0
+#: A waiting rank that used this much CPU since the last sample is making progress (computing,
+#: printing a lot): a slow or loaded peer, not a stuck one. A rank blocked in a gloo collective
+#: uses about 0.01 s in 4 s (measured, torch 2.13).
+PROGRESS_CPU_S: Final = 0.05
+#: How often the CPU time of the waiting ranks is sampled after one left early.
+PROGRESS_SAMPLE_S: Final = 0.5
+#: However busy, a peer gets at most this long after the first rank left (a rank that spins
+#: while it waits, as a CUDA synchronisation can, is stuck all the same).
+PROGRESS_CAP_S: Final = 120.0
 #: After one rank dies, how long torchrun gets to stop the others and report exit codes.
 DEATH_GRACE_S: Final = 5.0
 #: How often the wait loop wakes up without news (to look at torchrun and the clock).
@@ -49,11 +60,14 @@ class Flight:
         self.stop: _Stop | None = None
         self.stop_detail = ""
         self.timeout = 0.0
+        self.group_broken = False  # a rank said its process group cannot serve another test
+        self.busy_for = 0.0  # how long waiting ranks kept making progress after the first left
 
     @property
     def broken(self) -> bool:
-        """The group cannot take another test (a rank died, hung, or the test was cut short)."""
-        return self.stop is not None or bool(self.ended_at)
+        """The group cannot take another test (a rank died, hung, broke its process group, or
+        the test was cut short)."""
+        return self.stop is not None or bool(self.ended_at) or self.group_broken
 
     def _waiting(self) -> list[int]:
         return [
@@ -74,15 +88,20 @@ class Flight:
         start = time.monotonic()
         failure_seen: float | None = None
         death_seen: float | None = start if self.ended_at else None
+        progress = _Progress({rank: handle.pid for rank, handle in self.group.ranks.items()})
         try:
             while self._waiting():
                 now = time.monotonic()
                 if now >= start + timeout:
                     self.stop = _Stop.TIMEOUT
                     break
-                if failure_seen is not None and now >= failure_seen + FAILURE_GRACE_S:
-                    self.stop = _Stop.AFTER_EARLY_EXIT
-                    break
+                if failure_seen is not None:
+                    progress.sample(self._waiting(), now)
+                    quiet_since = max(failure_seen, progress.last_progress or failure_seen)
+                    if now >= quiet_since + FAILURE_GRACE_S or now >= failure_seen + PROGRESS_CAP_S:
+                        self.busy_for = quiet_since - failure_seen
+                        self.stop = _Stop.AFTER_EARLY_EXIT
+                        break
                 if death_seen is not None and now >= death_seen + DEATH_GRACE_S:
                     self.stop = _Stop.AFTER_DEATH
                     break
@@ -145,12 +164,23 @@ class Flight:
             elif kind == protocol.DONE:
                 outcome.finished = True
                 outcome.notes += list(message.get("notes", []))
+                outcome.warnings += list(message.get("warnings", []))
+                self.group_broken = self.group_broken or bool(message.get("broken"))
                 if outcome.phase("teardown") is None:
                     outcome.fault = reports.RankFault(
                         "internal",
                         "finished without a teardown report",
                         at=time.time(),
                     )
+                elif problems := message.get("problems"):
+                    outcome.fault = reports.RankFault(
+                        "error", "\n".join(problems), summary=problems[0].split("\n")[0],
+                        at=time.time(),
+                    )  # fmt: skip
+                if rank not in self.left_early:
+                    # A peer still running may wait in a collective this rank never joins.
+                    self.left_early[rank] = "finished"
+                    failed = True
             elif kind == protocol.MISSING:
                 outcome.finished = True
                 outcome.fault = reports.RankFault("missing", message["detail"], at=time.time())
@@ -159,7 +189,7 @@ class Flight:
     def collect_faults(self) -> None:
         """After a broken flight: learn how ranks ended, dump the stuck ones, kill the group."""
         group = self.group
-        if self.stop is None:
+        if self.stop is None and self.ended_at:
             # Only deaths: torchrun stops the other ranks and prints who failed how.
             group.wait_launcher_exit(DEATH_GRACE_S)
         stuck = self._waiting()
@@ -212,9 +242,15 @@ class Flight:
         elif self.stop == _Stop.AFTER_EARLY_EXIT:
             kind = "stuck"
             summary = f"stuck after {left}"
+            busy = (
+                f" (ranks kept computing for {self.busy_for:.1f} s, then made no progress "
+                f"for {FAILURE_GRACE_S:g} s)"
+                if self.busy_for >= PROGRESS_SAMPLE_S
+                else ""
+            )
             detail = (
-                f"did not finish within {FAILURE_GRACE_S:g} s after {left} (typically "
-                "waiting in a collective the other rank never reached); killed"
+                f"did not finish within {FAILURE_GRACE_S + self.busy_for:.0f} s after {left}"
+                f"{busy} (typically waiting in a collective the other rank never reached); killed"
             )
         elif self.stop == _Stop.AFTER_DEATH:
             kind = "stuck"
@@ -227,3 +263,28 @@ class Flight:
         return reports.RankFault(
             kind, detail, summary=summary, at=now, consequence=True, stack=stack
         )
+
+
+class _Progress:
+    """Whether waiting ranks still use CPU: a peer that computes is slow, not stuck."""
+
+    def __init__(self, pids: dict[int, int]) -> None:
+        self._pids = pids
+        self._cpu: dict[int, float] = {}
+        self._sampled_at: float | None = None
+        self.last_progress: float | None = None
+
+    def sample(self, ranks: list[int], now: float) -> None:
+        """Take the ranks' CPU time every PROGRESS_SAMPLE_S; note when any of them grew."""
+        if self._sampled_at is not None and now - self._sampled_at < PROGRESS_SAMPLE_S:
+            return
+        first = self._sampled_at is None
+        self._sampled_at = now
+        for rank in ranks:
+            cpu = cpu_seconds(self._pids[rank]) if rank in self._pids else None
+            if cpu is None:
+                continue  # no /proc: the plain grace applies
+            previous = self._cpu.get(rank)
+            self._cpu[rank] = cpu
+            if not first and previous is not None and cpu - previous >= PROGRESS_CPU_S:
+                self.last_progress = now

@@ -42,10 +42,11 @@ HELP_TIMEOUT: Final = (
     f"{DEFAULT_TIMEOUT_S:g}; ini key: fsdp_timeout)"
 )
 HELP_MARKER: Final = (
-    f"{MARKER_NAME}(nproc=None, backend=None, isolated=False): run the test body in nproc "
-    "ranks started by torchrun (default --fsdp-nproc), on backend 'auto', 'gloo' or 'nccl' "
-    "(default --fsdp-backend); ranks are kept alive across tests unless isolated=True, which "
-    "gives the test fresh ranks of its own."
+    f"{MARKER_NAME}(nproc=None, backend=None, isolated=False, timeout=None): run the test body "
+    "in nproc ranks started by torchrun (default --fsdp-nproc), on backend 'auto', 'gloo' or "
+    "'nccl' (default --fsdp-backend), for at most timeout seconds (default --fsdp-timeout); "
+    "ranks are kept alive across tests unless isolated=True, which gives the test fresh ranks "
+    "of its own."
 )
 
 _OPTION_NPROC: Final = "--fsdp-nproc"
@@ -221,11 +222,11 @@ def item_settings(item: pytest.Item, session: SessionSettings) -> ItemSettings:
         if "nproc" in kwargs:
             raise MarkerError(f"{where}: nproc given both positionally and as nproc=")
         kwargs["nproc"] = mark.args[0]
-    unknown = sorted(set(kwargs) - {"nproc", "backend", "isolated"})
+    unknown = sorted(set(kwargs) - {"nproc", "backend", "isolated", "timeout"})
     if unknown:
         raise MarkerError(
             f"{where}: unknown argument(s) {', '.join(unknown)}; "
-            "the marker takes nproc, backend and isolated"
+            "the marker takes nproc, backend, isolated and timeout"
         )
 
     def arg_where(name: str) -> str:
@@ -240,7 +241,10 @@ def item_settings(item: pytest.Item, session: SessionSettings) -> ItemSettings:
     isolated = False
     if "isolated" in kwargs:
         isolated = validate_isolated(kwargs["isolated"], arg_where("isolated"))
-    return ItemSettings(nproc=nproc, backend=backend, isolated=isolated, timeout=session.timeout)
+    timeout = session.timeout
+    if kwargs.get("timeout") is not None:
+        timeout = validate_timeout(kwargs["timeout"], arg_where("timeout"))
+    return ItemSettings(nproc=nproc, backend=backend, isolated=isolated, timeout=timeout)
 
 
 # --- what the ranks inherit from the parent's command line --------------------------------------

@@ -211,6 +211,22 @@ class TorchrunProcess:
 _HAS_PROC: Final = Path("/proc/self/stat").exists()
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU time of ``pid`` (all its threads), or ``None`` where unknown."""
+    if not _HAS_PROC:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[-1].split()
+    except OSError:
+        return None
+    # After the command: state is field 3, utime and stime are fields 14 and 15 (in ticks).
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+_CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
 def _process_table() -> list[tuple[int, int]]:
     """``(pid, parent pid)`` of every live (not zombie) process, from ``/proc``."""
     table: list[tuple[int, int]] = []

@@ -8,7 +8,7 @@ once and identifies itself. After that the conversation is strictly lock-step:
     rank -> controller   ready(collection_errors)            once, after collecting its files
     controller -> rank   run(nodeid, next_nodeid, seed)      one test
     rank -> controller   report(nodeid, report)               per phase, as soon as it exists
-    rank -> controller   done(nodeid, notes)  | missing(nodeid, detail)
+    rank -> controller   done(nodeid, notes, problems, warnings, broken) | missing(nodeid, detail)
     controller -> rank   exit()                              end of the group's life
 
 A frame is a 4-byte big-endian length followed by a UTF-8 JSON object with a ``type`` key.
@@ -188,9 +188,29 @@ def report(nodeid: str, data: dict[str, Any]) -> Message:
     return {"type": REPORT, "nodeid": nodeid, "report": data}
 
 
-def done(nodeid: str, notes: list[str]) -> Message:
-    """The test finished on this rank; ``notes`` carries rank-side remarks for the report."""
-    return {"type": DONE, "nodeid": nodeid, "notes": notes}
+def done(
+    nodeid: str,
+    notes: list[str],
+    *,
+    problems: list[str] | None = None,
+    warnings: list[str] | None = None,
+    broken: bool = False,
+) -> Message:
+    """The test finished on this rank.
+
+    ``notes`` are rank-side remarks for the report; ``problems`` make the test an error on this
+    rank (a fixture kept from an earlier test failed to tear down, the test destroyed the
+    process group); ``warnings`` go to the parent's warnings summary; ``broken`` says that the
+    ranks cannot take another test.
+    """
+    return {
+        "type": DONE,
+        "nodeid": nodeid,
+        "notes": notes,
+        "problems": problems or [],
+        "warnings": warnings or [],
+        "broken": broken,
+    }
 
 
 def missing(nodeid: str, detail: str) -> Message:

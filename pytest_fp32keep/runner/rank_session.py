@@ -39,17 +39,21 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import IO, Any, Final
 
 import pytest
 
 from pytest_fp32keep.runner import protocol
+from pytest_fp32keep.runner.leftovers import TorchDefaults, process_group_problem
 from pytest_fp32keep.runner.processes import ENV_TOKEN, init_process_group_kwargs
 from pytest_fp32keep.runner.rank_context import RANK_CONTEXT_KEY, RankContext
 
 #: Exit status of a rank whose controller vanished (it stops at once, wherever it is).
 EXIT_CONTROLLER_GONE: Final = 75
+#: The warning pytest gives about this package, imported by ``python -m`` before pytest starts.
+REWRITE_WARNING: Final = "Module already imported so cannot be rewritten; pytest_fp32keep"
 #: How often the watchdog looks at the controller connection.
 WATCHDOG_POLL_S: Final = 0.5
 
@@ -69,6 +73,7 @@ class RankSessionPlugin:
         self._current: str | None = None
         self._collection_errors: list[str] = []
         self._numpy_seed: Any = _numpy_seed_function()
+        self._warnings: list[str] = []  # the current test's, for the parent's summary
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_configure(self, config: pytest.Config) -> None:
@@ -125,11 +130,14 @@ class RankSessionPlugin:
             self._channel.send(protocol.missing(nodeid, detail))
             return
         _mark_log(nodeid)
-        notes = _tear_down_leftovers(session, item)
+        notes: list[str] = []
+        problems = _tear_down_leftovers(session, item)
         _seed_everything(int(message["seed"]), self._numpy_seed)
         next_nodeid = message.get("next_nodeid")
         nextitem = items.get(next_nodeid) if next_nodeid else None
+        defaults = TorchDefaults.take()
         self._current = nodeid
+        self._warnings = []
         try:
             item.config.hook.pytest_runtest_protocol(item=item, nextitem=nextitem)
         except Exception:
@@ -139,7 +147,31 @@ class RankSessionPlugin:
             )
         finally:
             self._current = None
-        self._channel.send(protocol.done(nodeid, notes))
+        if defaults is not None and (changed := defaults.restore()):
+            self._warnings.append(
+                f"{nodeid} changed {', '.join(changed)} and did not restore it; the plugin "
+                "restored it so that later tests in these ranks are not affected (restore it "
+                "in the test, e.g. with a fixture, to silence this)"
+            )
+        broken = process_group_problem()
+        if broken is not None:
+            problems.append(broken)
+        self._channel.send(
+            protocol.done(
+                nodeid, notes, problems=problems, warnings=self._warnings, broken=bool(broken)
+            )
+        )
+
+    def pytest_warning_recorded(
+        self, warning_message: warnings.WarningMessage, when: str, nodeid: str
+    ) -> None:
+        """Keep the current test's warnings for the parent's warnings summary."""
+        if self._current is not None and when == "runtest":
+            category = warning_message.category.__name__
+            self._warnings.append(
+                f"{category}: {warning_message.message} "
+                f"({warning_message.filename}:{warning_message.lineno})"
+            )
 
 
 def _tear_down_leftovers(session: pytest.Session, item: pytest.Item) -> list[str]:
@@ -159,8 +191,13 @@ def _tear_down_leftovers(session: pytest.Session, item: pytest.Item) -> list[str
         return []
     try:
         setup_state.teardown_exact(item)
-    except Exception as exc:
-        return [f"tearing down fixtures kept from an earlier test raised: {exc!r}"]
+    except Exception:
+        # The earlier test is already reported: this one carries the error, as pytest would
+        # report a module fixture's teardown error on the test whose teardown ran it.
+        return [
+            "tearing down fixtures kept from an earlier test raised before this test:\n"
+            + traceback.format_exc()
+        ]
     return []
 
 
@@ -294,6 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     _watch_controller(channel.sock)
     _init_process_group(context, float(environ.get(protocol.ENV_PG_TIMEOUT, "600")))
     args += ["-q", f"--basetemp={protocol.rank_basetemp(run_dir, rank)}"]
+    # ``python -m`` imported this package before pytest could mark it for assertion rewriting;
+    # under -W error / filterwarnings=error that warning would stop every rank's session.
+    # Appended last, so it wins over the inherited filters for exactly this message.
+    args += ["-W", f"ignore:{REWRITE_WARNING}:pytest.PytestAssertRewriteWarning"]
     if "no:cacheprovider" not in args:
         # A private cache: the rank must not overwrite the parent's last-failed list.
         args += ["-o", f"cache_dir={run_dir / f'cache-rank{rank}'}"]

@@ -70,7 +70,8 @@ class RankFault:
     Attributes:
         kind: ``"died"``, ``"stuck"`` (killed while a peer had failed or died), ``"timeout"``,
             ``"interrupted"`` (an outside timeout fired), ``"missing"`` (no such test in the
-            rank), ``"internal"`` (pytest's protocol raised in the rank).
+            rank), ``"internal"`` (pytest's protocol raised in the rank), ``"error"`` (the test
+            left the rank unusable, or a kept fixture failed to tear down before it).
         detail: one line for the report, without the rank (the report's title names the
             ranks, and identical accounts of several ranks merge): "killed by signal 9 ...".
         summary: the same without the rank, for the headline when no rank failed by itself
@@ -100,6 +101,7 @@ class RankOutcome:
     finished: bool = False
     fault: RankFault | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
 
     def phase(self, when: Phase) -> pytest.TestReport | None:
         """This rank's report for ``when``, if it made one."""

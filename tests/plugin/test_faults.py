@@ -143,12 +143,50 @@ def test_ok_last():
     ok("last")
 
 
+def test_slow_peer_after_an_early_finish(fsdp2_rank):
+    # Healthy, only slow: rank 1 computes for 6 s after rank 0 finished (a loaded CI machine).
+    if fsdp2_rank == 1:
+        end = time.monotonic() + 6
+        while time.monotonic() < end:
+            sum(range(10_000))
+
+
 def test_unknown_fixture(no_such_fixture):
     pass
 
 
 def test_ok_after_unknown_fixture():
     ok("after_unknown_fixture")
+
+
+def test_return_while_peer_waits(fsdp2_rank):
+    # Rank 0 is done; rank 1 waits in a collective rank 0 never joins.
+    if fsdp2_rank == 1:
+        dist.all_reduce(torch.ones(1))
+
+
+def test_ok_after_return():
+    ok("after_return")
+
+
+def test_destroys_the_process_group():
+    dist.destroy_process_group()  # what many training functions end with
+
+
+def test_ok_after_destroy():
+    ok("after_destroy")
+
+
+@pytest.mark.fsdp2(timeout=3)
+def test_hang_until_marker_timeout(fsdp2_rank):
+    if fsdp2_rank == 1:
+        while True:
+            time.sleep(0.05)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_ok_after_marker_timeout():
+    ok("after_marker_timeout")
 """
 
 
@@ -176,7 +214,9 @@ def test_faults_fail_and_every_later_test_passes(
     session: tuple[InnerProject, pytest.RunResult],
 ) -> None:
     _, result = session
-    result.assert_outcomes(passed=10, failed=7, errors=1, xfailed=1)
+    result.assert_outcomes(
+        passed=15, failed=9, errors=2, xfailed=1
+    )  # the destroying test passes its call, then errors at teardown
     result.stdout.fnmatch_lines_random(
         [
             "PASSED test_faults.py::test_ok_first",
@@ -187,7 +227,11 @@ def test_faults_fail_and_every_later_test_passes(
             "PASSED test_faults.py::test_ok_after_skip",
             "PASSED test_faults.py::test_ok_after_xfail",
             "PASSED test_faults.py::test_ok_after_hang",
+            "PASSED test_faults.py::test_ok_after_return",
+            "PASSED test_faults.py::test_ok_after_destroy",
+            "PASSED test_faults.py::test_ok_after_marker_timeout",
             "PASSED test_faults.py::test_ok_last",
+            "PASSED test_faults.py::test_slow_peer_after_an_early_finish",
             "PASSED test_faults.py::test_ok_after_unknown_fixture",
         ]
     )
@@ -200,11 +244,11 @@ def test_each_fault_is_followed_by_fresh_ranks(
     by_test: dict[str, set[int]] = {}
     for record in project.records("ok"):
         by_test.setdefault(record["test"], set()).add(record["pid"])
-    assert len(by_test) == 10 and all(len(pids) == 2 for pids in by_test.values()), by_test
+    assert len(by_test) == 13 and all(len(pids) == 2 for pids in by_test.values()), by_test
     # A missing fixture is the test's error, not a fault of the ranks: they are kept.
     assert by_test.pop("after_unknown_fixture") == by_test["last"], by_test
     every_pid = [pid for pids in by_test.values() for pid in pids]
-    assert len(set(every_pid)) == 18, f"a group was reused after a fault: {by_test}"
+    assert len(set(every_pid)) == 24, f"a group was reused after a fault: {by_test}"
 
 
 def test_raise_while_peer_waits_reports_the_real_error_within_seconds(
@@ -308,6 +352,47 @@ def test_pytest_timeout_in_the_parent_also_dumps_and_kills(
     )
     assert "in wait_forever_here" in text
     reported_within(project, "test_hang_until_pytest_timeout", PYTEST_TIMEOUT_BOUND_S)
+
+
+def test_rank_that_returns_while_its_peer_waits_fails_within_seconds(
+    session: tuple[InnerProject, pytest.RunResult],
+) -> None:
+    text = section(session, "test_return_while_peer_waits")
+    assert "no rank failed by itself: stuck after rank 0 finished" in text
+    assert "did not finish within 3 s after rank 0 finished" in text
+    assert "in all_reduce" in text  # rank 1's stack
+    reported_within(session[0], "test_return_while_peer_waits", RANK_FAULT_BOUND_S)
+
+
+def test_destroyed_process_group_is_reported_on_the_test_that_did_it(
+    session: tuple[InnerProject, pytest.RunResult],
+) -> None:
+    project, result = session
+    result.stdout.fnmatch_lines(["ERROR test_faults.py::test_destroys_the_process_group*"])
+    text = failure_section(result.stdout.str(), "test_destroys_the_process_group")
+    assert "the test destroyed the default process group" in text
+    assert "The ranks are replaced" in text
+    # the next test got fresh ranks and passed (test_faults_fail_and_every_later_test_passes)
+    reported_within(project, "test_destroys_the_process_group", RANK_FAULT_BOUND_S)
+
+
+def test_marker_timeout_overrides_fsdp_timeout(
+    session: tuple[InnerProject, pytest.RunResult],
+) -> None:
+    project, _ = session
+    text = section(session, "test_hang_until_marker_timeout")
+    assert "no rank failed by itself: still running after --fsdp-timeout=3 s" in text
+    wall = project.wall_times()["test_faults.py::test_hang_until_marker_timeout"]
+    assert 3 <= wall < INNER_FSDP_TIMEOUT_S, wall  # the marker's 3 s, not the session's 10 s
+    note_elapsed(wall)
+
+
+def test_a_slow_but_healthy_peer_is_not_killed(
+    session: tuple[InnerProject, pytest.RunResult],
+) -> None:
+    project, _ = session
+    wall = project.wall_times()["test_faults.py::test_slow_peer_after_an_early_finish"]
+    assert wall >= 6, wall  # it ran to its end, past the 3 s grace, and passed
 
 
 def test_no_process_left(session: tuple[InnerProject, pytest.RunResult]) -> None:

@@ -36,7 +36,9 @@ def test_help_lists_options_with_defaults_and_ini_keys(pytester: pytest.Pytester
 
 def test_marker_is_registered(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("--markers")
-    result.stdout.fnmatch_lines(["@pytest.mark.fsdp2(nproc=None, backend=None, isolated=False):*"])
+    result.stdout.fnmatch_lines(
+        ["@pytest.mark.fsdp2(nproc=None, backend=None, isolated=False, timeout=None):*"]
+    )
 
 
 NPROC_MESSAGE = "expected a positive integer number of ranks, got"
@@ -157,10 +159,13 @@ def test_invalid_marker_arguments_are_errors_of_their_tests(pytester: pytest.Pyt
 
         @pytest.mark.fsdp2(ranks=2)
         def test_unknown(): pass
+
+        @pytest.mark.fsdp2(timeout=0)
+        def test_timeout(): pass
         """
     )
     result = pytester.runpytest("--strict-markers", "-v")
-    result.assert_outcomes(errors=6)
+    result.assert_outcomes(errors=7)
     prefix = "*@pytest.mark.fsdp2"
     result.stdout.fnmatch_lines_random(
         [
@@ -170,6 +175,7 @@ def test_invalid_marker_arguments_are_errors_of_their_tests(pytester: pytest.Pyt
             f"{prefix}(isolated='yes') on test_bad.py::test_isolated: expected True or False*",
             f"{prefix} on test_bad.py::test_twice: nproc given both positionally and as nproc=*",
             f"{prefix} on test_bad.py::test_unknown: unknown argument(s) ranks;*",
+            f"{prefix}(timeout=0) on test_bad.py::test_timeout: expected a positive number of*",
         ]
     )
     assert "fsdp2: started" not in result.stdout.str()

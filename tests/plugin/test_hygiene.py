@@ -1,0 +1,108 @@
+"""What a user's settings and a test's leftovers do to marked tests: warnings as errors, warnings
+in the summary, torch's global defaults restored between tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.plugin._inner import InnerProject
+
+PASSING = """
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.fsdp2
+def test_collective():
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    assert value.item() == 2
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "ini"),
+    [
+        pytest.param(("-W", "error"), "", id="W-error"),
+        pytest.param((), "[pytest]\nfilterwarnings =\n    error\n", id="filterwarnings-error"),
+    ],
+)
+def test_warnings_as_errors_let_marked_tests_run(
+    inner: InnerProject, args: tuple[str, ...], ini: str
+) -> None:
+    if ini:
+        (inner.path / "pytest.ini").write_text(ini)
+    inner.write(test_strict=PASSING)
+    result = inner.run("-rA", *args)
+    result.assert_outcomes(passed=1)
+    assert "could not start" not in result.stdout.str()
+
+
+def test_warnings_in_ranks_reach_the_summary_once(inner: InnerProject) -> None:
+    inner.write(
+        test_warns="""
+        import warnings
+        import pytest
+
+        @pytest.mark.fsdp2
+        def test_warns(fsdp2_rank):
+            warnings.warn("careful with this model", UserWarning)
+            if fsdp2_rank == 1:
+                warnings.warn("only rank 1 saw this", DeprecationWarning)
+        """
+    )
+    result = inner.run("-rA")
+    result.assert_outcomes(passed=1, warnings=2)  # identical ones from both ranks: one
+    text = result.stdout.str()
+    assert "RankWarning: [ranks 0,1] UserWarning: careful with this model" in text
+    assert "RankWarning: [rank 1] DeprecationWarning: only rank 1 saw this" in text
+    assert text.count("careful with this model") == 1
+    result.stdout.fnmatch_lines(["*test_warns.py::test_warns*"])  # the summary names the test
+
+
+def test_changed_torch_defaults_are_restored_and_named(inner: InnerProject) -> None:
+    inner.write(
+        test_defaults="""
+        import pytest
+        import torch
+
+        pytestmark = pytest.mark.fsdp2
+
+        def test_changes_defaults():
+            torch.set_default_dtype(torch.float64)
+            torch.set_grad_enabled(False)
+
+        def test_sees_the_usual_defaults():
+            assert torch.get_default_dtype() == torch.float32
+            assert torch.is_grad_enabled()
+        """
+    )
+    result = inner.run("-rA")
+    result.assert_outcomes(passed=2, warnings=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*RankWarning: [[]ranks 0,1[]] test_defaults.py::test_changes_defaults changed the "
+            "default dtype to torch.float64, grad mode to disabled and did not restore it*"
+        ]
+    )
+
+
+def test_negative_control_defaults_leak_without_the_restore(inner: InnerProject) -> None:
+    """The second test above can fail: in one test body, the leak is visible."""
+    inner.write(
+        test_leak="""
+        import pytest
+        import torch
+
+        @pytest.mark.fsdp2
+        def test_leak_within_one_test():
+            torch.set_default_dtype(torch.float64)
+            try:
+                assert torch.get_default_dtype() == torch.float32
+            finally:
+                torch.set_default_dtype(torch.float32)
+        """
+    )
+    result = inner.run("-rA")
+    result.assert_outcomes(failed=1)
