@@ -49,6 +49,7 @@ from pytest_fp32keep.runner import protocol
 from pytest_fp32keep.runner.leftovers import TorchDefaults, process_group_problem
 from pytest_fp32keep.runner.processes import ENV_TOKEN, init_process_group_kwargs
 from pytest_fp32keep.runner.rank_context import RANK_CONTEXT_KEY, RankContext
+from pytest_fp32keep.runner.spill import spill_report
 
 #: Exit status of a rank whose controller vanished (it stops at once, wherever it is).
 EXIT_CONTROLLER_GONE: Final = 75
@@ -66,7 +67,7 @@ _log_fd: int | None = None
 class RankSessionPlugin:
     """The rank-side pytest plugin: collect once, then run what the controller asks for."""
 
-    def __init__(self, channel: protocol.Channel, context: RankContext) -> None:
+    def __init__(self, channel: protocol.Channel, context: RankContext, spill_dir: Path) -> None:
         self._channel = channel
         self._context = context
         self._config: pytest.Config | None = None
@@ -74,6 +75,7 @@ class RankSessionPlugin:
         self._collection_errors: list[str] = []
         self._numpy_seed: Any = _numpy_seed_function()
         self._warnings: list[str] = []  # the current test's, for the parent's summary
+        self._spill_dir = spill_dir
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_configure(self, config: pytest.Config) -> None:
@@ -113,6 +115,7 @@ class RankSessionPlugin:
         if self._current is None or report.nodeid != self._current:
             return
         assert self._config is not None
+        spill_report(report, self._spill_dir)
         data = self._config.hook.pytest_report_to_serializable(config=self._config, report=report)
         self._channel.send(protocol.report(self._current, data))
 
@@ -339,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         # A private cache: the rank must not overwrite the parent's last-failed list.
         args += ["-o", f"cache_dir={run_dir / f'cache-rank{rank}'}"]
     try:
-        code = pytest.main(args, plugins=[RankSessionPlugin(channel, context)])
+        plugin = RankSessionPlugin(channel, context, run_dir / f"spilled-rank{rank}")
+        code = pytest.main(args, plugins=[plugin])
     finally:
         _destroy_process_group()
         channel.close()

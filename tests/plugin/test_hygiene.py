@@ -3,6 +3,9 @@ in the summary, torch's global defaults restored between tests."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from tests.plugin._inner import InnerProject
@@ -106,3 +109,30 @@ def test_negative_control_defaults_leak_without_the_restore(inner: InnerProject)
     )
     result = inner.run("-rA")
     result.assert_outcomes(failed=1)
+
+
+def test_huge_output_is_spilled_to_a_file_and_the_failure_still_reported(
+    inner: InnerProject,
+) -> None:
+    inner.write(
+        test_loud="""
+        import sys
+        import pytest
+
+        @pytest.mark.fsdp2
+        def test_loud(fsdp2_rank):
+            line = "x" * 99 + "\\n"
+            sys.stdout.write(line * 300_000)  # 30 MB per rank
+            assert fsdp2_rank == 0, "the real failure, after all that output"
+        """
+    )
+    result = inner.run("-rA")
+    result.assert_outcomes(failed=1)
+    text = result.stdout.str()
+    assert "AssertionError: the real failure, after all that output" in text
+    assert "internal error" not in text
+    spilled = re.findall(r"characters cut here; the whole text is in (\S+)\]", text)
+    assert spilled, text[-3000:]
+    whole = Path(spilled[0]).read_text()
+    assert len(whole) >= 30_000_000 and whole.count("x" * 99) == 300_000
+    assert len(text) < 5_000_000  # the terminal got the head and the tail, not 60 MB

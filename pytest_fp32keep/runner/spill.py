@@ -1,0 +1,48 @@
+"""Reports of any size: what is too long to travel is written to a file, the report keeps the
+head, the tail and the path.
+
+A rank's phase report carries its captured output and its traceback to the controller in one
+frame (:mod:`.protocol`). A test that prints hundreds of megabytes, or fails with a huge
+assertion message, must still be reported as what it is, quickly, with nothing lost: each
+section or traceback longer than :data:`MAX_CHARS` is spilled whole to a file under the rank's
+run folder and shortened in the report.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Final
+
+import pytest
+
+#: Longest captured section or traceback text a report carries (characters).
+MAX_CHARS: Final = 1_000_000
+#: How much of a spilled text stays in the report, at each end.
+KEPT_CHARS: Final = 20_000
+
+
+def spill_report(report: pytest.TestReport, folder: Path) -> None:
+    """Shorten long sections and the traceback of ``report`` in place; each goes whole to a file."""
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", report.nodeid)[-120:] + f"-{report.when}"
+    sections = []
+    for index, (title, content) in enumerate(report.sections):
+        if len(content) > MAX_CHARS:
+            content = _spilled(content, folder / f"{stem}-section{index}.txt")
+        sections.append((title, content))
+    report.sections = sections
+    if report.longrepr is not None:
+        text = report.longreprtext
+        if len(text) > MAX_CHARS:
+            report.longrepr = _spilled(text, folder / f"{stem}-traceback.txt")
+
+
+def _spilled(text: str, path: Path) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8", errors="replace")
+    cut = len(text) - 2 * KEPT_CHARS
+    return (
+        f"{text[:KEPT_CHARS]}\n"
+        f"... [{cut} characters cut here; the whole text is in {path}] ...\n"
+        f"{text[-KEPT_CHARS:]}"
+    )
