@@ -39,6 +39,9 @@ HANG_BOUND_S: Final = 40.0
 """A rank stuck in a collective: ``--fsdp-timeout`` (10 s in the test) plus 30 s for the
 stack dump, the kill and the report."""
 
+MARKER_TIMEOUT_BOUND_S: Final = 10.0
+"""``@pytest.mark.fsdp2(timeout=3)`` ends a hanging test (below the session's 10 s timeout)."""
+
 PYTEST_TIMEOUT_BOUND_S: Final = 10.0
 """pytest-timeout's ``@pytest.mark.timeout(5)`` ends a marked test whose ranks hang."""
 

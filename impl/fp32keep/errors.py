@@ -57,7 +57,10 @@ class StateDictError(ValueError):
     Attributes:
         missing: destination keys with no entry in the state dict.
         unexpected: state-dict keys the model does not have.
-        mismatched: ``(key, reason)`` pairs for entries of the wrong shape, kind or dtype family.
+        mismatched: ``(key, reason)`` pairs for entries that cannot be loaded: wrong shape, kind
+            or dtype family, not a plain dense tensor, unreadable, or tied aliases that disagree.
+        uninitialized: model tensors on the meta device that nothing would initialise (a missing
+            key under ``strict=False``, a non-persistent buffer no rank can send).
     """
 
     def __init__(
@@ -67,8 +70,10 @@ class StateDictError(ValueError):
         missing: Sequence[str] = (),
         unexpected: Sequence[str] = (),
         mismatched: Sequence[tuple[str, str]] = (),
+        uninitialized: Sequence[str] = (),
     ) -> None:
         super().__init__(message)
         self.missing = tuple(missing)
         self.unexpected = tuple(unexpected)
         self.mismatched = tuple(mismatched)
+        self.uninitialized = tuple(uninitialized)

@@ -7,11 +7,10 @@ Each test body runs in the plugin's torchrun ranks (``@pytest.mark.fsdp2``; gloo
 from __future__ import annotations
 
 import copy
+import functools
 import re
-import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TypeVar
 
 import pytest
 import torch
@@ -23,7 +22,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 import fp32keep
 from fp32keep import KeepLayoutError, StateDictError
 from tests.core.toys import Stack, stack_class
-from tests.error_bounds import LIBRARY_BOUND_S, note_elapsed
+from tests.error_bounds import LIBRARY_BOUND_S
+from tests.multirank.refusals import refused_on_every_rank as shared_refused_on_every_rank
 from tests.untouched import (
     assert_dict_unchanged,
     assert_same_parameters,
@@ -69,33 +69,8 @@ def record_input_dtypes(module: nn.Module) -> list[torch.dtype]:
     return seen
 
 
-E = TypeVar("E", bound=BaseException)
-
-
-def refused_on_every_rank(
-    call: Callable[[], object], expected: type[E], match: str, *, same_message: bool = True
-) -> E:
-    """Run ``call`` on every rank and require that each one raises ``expected`` in time.
-
-    A rank that does not raise fails here and never reaches the all-gather, so its peers stay
-    stuck in it: the plugin then fails the test 3 s later (no rank hangs unnoticed either way).
-    """
-    start = time.monotonic()
-    with pytest.raises(expected, match=match) as error:
-        call()
-    elapsed = time.monotonic() - start
-    seen: list[tuple[str, str, float] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, (type(error.value).__name__, str(error.value), elapsed))
-    ranks = [entry for entry in seen if entry is not None]
-    kinds = {kind for kind, _, _ in ranks}
-    messages = {message for _, message, _ in ranks}
-    slowest = max(seconds for _, _, seconds in ranks)
-    assert len(ranks) == len(seen) and kinds == {type(error.value).__name__}, seen
-    assert len(messages) == 1 or not same_message, seen
-    assert slowest < LIBRARY_BOUND_S, f"the slowest rank raised after {slowest:.1f} s"
-    if rank() == 0:
-        note_elapsed(slowest)
-    return error.value
+#: Every rank raises the same error within the library bound (tests/multirank/refusals.py).
+refused_on_every_rank = functools.partial(shared_refused_on_every_rank, bound=LIBRARY_BOUND_S)
 
 
 # --- the seed reproducers ------------------------------------------------------------------
