@@ -1,11 +1,17 @@
 """``fp32keep check``: run the FP32-keep contract on the zoo or on your models, in N ranks.
 
     fp32keep check [TARGET ...] [--nproc N] [--dtype bf16,fp16] [--context autocast,direct]
-                   [--prefetch] [--batch MODULE:FUNCTION] [--report FILE] [--timeout SECONDS]
+                   [--prefetch] [--batch MODULE:FUNCTION] [--report FILE.md]
+                   [--report-json FILE.json] [--timeout SECONDS]
 
 A TARGET is a zoo name (``fp32keep check --list`` shows them) or ``package.module:factory``, a
 zero-argument function returning an ``nn.Module``. Exit status: 0 when every case passes, 1 when
 one does not, 2 for a usage error or a bad TARGET.
+
+Everything a user can get wrong on the command line (options, TARGETs, report paths) is found
+here, before any rank starts. The ranks write to this command's stdout and stderr (see
+:mod:`.ranks` for the one torch warning they summarise instead); the report comes after them,
+fitted to the terminal (:mod:`.render`, :mod:`.layout`).
 """
 
 from __future__ import annotations
@@ -13,16 +19,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from pytest_fp32keep.check.render import case_details, case_result, render_markdown, render_text
+from pytest_fp32keep.check.layout import terminal_width
+from pytest_fp32keep.check.render import render_markdown, render_text
 from pytest_fp32keep.runner.processes import TorchrunProcess
 
 DTYPE_CHOICES = ("bf16", "fp16")
@@ -53,6 +61,45 @@ def _positive_int(option: str) -> Any:
         if value < 1:
             raise argparse.ArgumentTypeError(f"{option} must be at least 1, got {value}")
         return value
+
+    return parse
+
+
+def _report_path(option: str, suffix: str, other: str) -> Any:
+    """An argparse type: a file ``option`` can write, in a folder that exists, named so that
+    it is not mistaken for the other report (``suffix`` is the wrong one)."""
+
+    def parse(text: str) -> Path:
+        path = Path(text)
+        if path.suffix.lower() == suffix:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} ends in {suffix}, but {option} writes "
+                f"{'Markdown' if option == '--report' else 'JSON'}: use {other} {text!r} for "
+                f"that, or give {option} a file ending in "
+                f"{'.md' if option == '--report' else '.json'}"
+            )
+        if text.endswith(("/", os.sep)) or path.is_dir():
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is a folder; name a file in it, e.g. "
+                f"{str(path / ('summary.md' if option == '--report' else 'summary.json'))!r}"
+            )
+        folder = path.parent
+        if not folder.exists():
+            raise argparse.ArgumentTypeError(
+                f"the folder {str(folder)!r} does not exist: create it first "
+                f"(mkdir -p {folder}) or write the report elsewhere"
+            )
+        if not folder.is_dir():
+            raise argparse.ArgumentTypeError(f"{str(folder)!r} is not a folder")
+        try:  # os.access says yes to root on a read-only file system: try it
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as error:
+            raise argparse.ArgumentTypeError(
+                f"cannot write in the folder {str(folder)!r} ({error.strerror or error}): "
+                "choose a folder you can write to"
+            ) from None
+        return path
 
     return parse
 
@@ -88,12 +135,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--context",
         type=_csv(CONTEXT_CHOICES, "--context"),
         default=["autocast"],
-        help="run forward under autocast, directly, or both (default autocast)",
+        help="run forward under torch.autocast, directly in the stored dtypes, or both "
+        "(default autocast: how mixed-precision training usually runs forward; the API's "
+        "assert_fp32_keep_contract defaults to autocast=False, see docs/api.md)",
     )
     check.add_argument("--prefetch", action="store_true", help="also run with forward prefetch on")
-    check.add_argument("--batch", metavar="MODULE:FUNCTION", help="builds a batch from the model")
     check.add_argument(
-        "--report", type=Path, metavar="FILE", help="write Markdown to FILE and JSON beside it"
+        "--batch",
+        metavar="MODULE:FUNCTION",
+        help="function(model) -> batch for the package.module:factory TARGETs (zoo entries "
+        "build their own)",
+    )
+    check.add_argument(
+        "--report",
+        type=_report_path("--report", ".json", "--report-json"),
+        metavar="FILE.md",
+        help="write the report as Markdown to FILE.md, and as JSON beside it (FILE.json) "
+        "unless --report-json names the JSON file",
+    )
+    check.add_argument(
+        "--report-json",
+        type=_report_path("--report-json", ".md", "--report"),
+        metavar="FILE.json",
+        help="write the report as JSON to FILE.json",
     )
     check.add_argument(
         "--timeout",
@@ -102,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds before the ranks are killed (default 1800)",
     )
     check.add_argument("--list", action="store_true", help="list the zoo entries and exit")
+    check.set_defaults(usage_error=check.error)  # errors that need several options at once
     return parser
 
 
@@ -115,6 +180,38 @@ def _versions() -> dict[str, str]:
     return versions
 
 
+def _commit() -> str | None:
+    """The short commit of the current directory's git repository; ``None`` if there is none,
+    git is missing or slow."""
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=2,
+            check=False,
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = done.stdout.strip()
+    return commit if done.returncode == 0 and commit else None
+
+
+def _threads(env: dict[str, str], nproc: int) -> str | None:
+    """Set ``OMP_NUM_THREADS`` in ``env`` as torchrun would (1 for several ranks), and say so.
+
+    torchrun sets it itself when it is unset, behind a banner of asterisks printed beside the
+    report; setting the same value here spares that banner, and the report's header says it.
+    """
+    if "OMP_NUM_THREADS" in env:
+        return f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}"
+    if nproc > 1:
+        env["OMP_NUM_THREADS"] = "1"
+        return "OMP_NUM_THREADS=1 (torchrun's default)"
+    return None
+
+
 def _launch(spec: dict[str, Any], nproc: int, timeout: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="fp32keep-check-") as work:
         spec_path, out_path = Path(work, "spec.json"), Path(work, "out.json")
@@ -123,6 +220,7 @@ def _launch(spec: dict[str, Any], nproc: int, timeout: int) -> dict[str, Any]:
             **os.environ,
             "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
         }
+        threads = _threads(env, nproc)
         process = TorchrunProcess.spawn(
             nproc,
             "pytest_fp32keep.check.ranks",
@@ -144,13 +242,53 @@ def _launch(spec: dict[str, Any], nproc: int, timeout: int) -> dict[str, Any]:
                 f"the ranks failed (torchrun exit status {code}); see the output above"
             )
         result: dict[str, Any] = json.loads(out_path.read_text())
+        result["threads"] = threads
         return result
 
 
-def check(args: argparse.Namespace) -> int:
-    """Validate the targets here, run every case in the ranks, print and write the report."""
+UsageError = Callable[[str], NoReturn]
+
+
+def _validate_options(args: argparse.Namespace, usage_error: UsageError) -> None:
+    """What no single option can check: how options combine with each other and the TARGETs."""
+    if args.batch is not None and not any(":" in target for target in args.targets):
+        checked = ", ".join(args.targets) if args.targets else "the whole zoo"
+        usage_error(
+            f"--batch applies to package.module:factory TARGETs only; zoo entries ({checked}) "
+            "build their own batches: drop --batch, or name your module:factory TARGET"
+        )
+    report, report_json = args.report, args.report_json
+    if report is not None and report_json is not None and report.resolve() == report_json.resolve():
+        usage_error("--report and --report-json name the same file: give them two names")
+
+
+def _report_paths(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
+    """The Markdown and JSON files to write: JSON beside the Markdown unless named."""
+    json_path = args.report_json
+    if json_path is None and args.report is not None:
+        json_path = args.report.with_suffix(".json")
+    return args.report, json_path
+
+
+def _write_reports(args: argparse.Namespace, result: dict[str, Any]) -> str | None:
+    """Write the reports asked for; an error message if one cannot be written."""
+    markdown, json_path = _report_paths(args)
+    try:
+        if markdown is not None:
+            markdown.write_text(render_markdown(result))
+        if json_path is not None:
+            json_path.write_text(json.dumps(result, indent=2))
+    except OSError as error:
+        return f"cannot write the report: {error}"
+    return None
+
+
+def check(args: argparse.Namespace, usage_error: UsageError) -> int:
+    """Validate options and targets here, run every case in the ranks, print and write the
+    report."""
     from pytest_fp32keep.check.targets import TargetError, resolve_targets
 
+    _validate_options(args, usage_error)
     # The ranks import a TARGET with the current directory on their path (``python -m`` and
     # PYTHONPATH, see _launch); the console script's own path lacks it. Validate the same way.
     if os.getcwd() not in sys.path:
@@ -163,13 +301,22 @@ def check(args: argparse.Namespace) -> int:
     if not targets:
         print("fp32keep check: error: no target is available to check", file=sys.stderr)
         return 2
+    width = terminal_width()
+    progress = sys.stdout.isatty()
     spec = {
         "targets": args.targets,
         "batch": args.batch,
         "dtypes": args.dtype,
         "autocast": [context == "autocast" for context in args.context],
         "prefetch": [False, True] if args.prefetch else [False],
+        "progress": progress,
+        "width": width,
     }
+    if progress:
+        total = len(targets) * len(args.dtype) * len(args.context) * len(spec["prefetch"])
+        cases = f"{total} case{'s' if total != 1 else ''}"
+        ranks = f"{args.nproc} rank{'s' if args.nproc != 1 else ''}"
+        print(f"fp32keep check: running {cases} in {ranks}", flush=True)
     started = time.monotonic()
     try:
         result = _launch(spec, args.nproc, args.timeout)
@@ -179,22 +326,21 @@ def check(args: argparse.Namespace) -> int:
     result.update(
         nproc=args.nproc,
         versions=_versions(),
+        commit=_commit(),
         date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         seconds=round(time.monotonic() - started, 1),
         unavailable=dict(unavailable),
     )
-    print(render_text(result["cases"]))
-    for name, reason in unavailable.items():
-        print(f"not checked: {name}: {reason}")
-    for case in result["cases"]:
-        if not case["ok"]:
-            print(f"\n{case['target']} {case['dtype']} ({case['context']}): {case_result(case)}")
-            print("\n".join(case_details(case)))
-    if args.report is not None:
-        args.report.write_text(render_markdown(result))
-        args.report.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    print(("\n" if progress else "") + render_text(result, width))
     failed = sum(1 for case in result["cases"] if not case["ok"])
+    problem = _write_reports(args, result)
     print(f"\n{len(result['cases']) - failed} passed, {failed} failed")
+    if problem is not None:  # the folder vanished or filled up during the run
+        print(f"fp32keep check: error: {problem}", file=sys.stderr)
+        return 2
+    for kind, path in zip(("Markdown", "JSON"), _report_paths(args), strict=True):
+        if path is not None:  # never wrapped: a path must stay one string to copy
+            print(f"wrote {kind}: {path}")
     return 1 if failed else 0
 
 
@@ -212,7 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, reason in unavailable.items():
             print(f"{name}  (unavailable: {reason})")
         return 0
-    return check(args)
+    return check(args, args.usage_error)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,23 @@
 
 Launched by :mod:`pytest_fp32keep.check.cli` through :mod:`pytest_fp32keep.runner.processes` as
 ``torchrun ... --nproc-per-node=N -m pytest_fp32keep.check.ranks SPEC OUT``.
+
+The ranks' stdout and stderr are the command's own: whatever a rank prints reaches the user as
+it happens. Two things are handled here instead:
+
+* progress: with ``spec["progress"]`` (the command's stdout is a terminal), rank 0 prints
+  ``[3/18] t5 fp16 autocast ... pass`` as each case ends;
+* known noise: torch warns, in every rank and about once per FSDP2 unit class, that an
+  FSDP2-wrapped module returned a view tensor (``_fsdp_state.py``). T5, Blip2 and
+  InstructBlip trigger it; it is harmless unless code modifies such an output in place (then
+  backward would raise or its gradients would differ, which this check reports as an error or a
+  parity failure), and printed per rank it buried the table.
+  :class:`ViewWarnings` records exactly that warning instead of printing it, and the command
+  prints one summarised note. It hooks ``warnings.showwarning``, which Python calls only for a
+  warning the filters let through, so the count is what would have been printed; every other
+  warning, and every other line a rank writes, is printed as before. Recording in the rank
+  rather than filtering the text in the parent keeps the match exact (category and message,
+  not a line of text that a rank's other output could interleave with) and the output live.
 """
 
 from __future__ import annotations
@@ -9,22 +26,73 @@ from __future__ import annotations
 import gc
 import json
 import os
+import random
+import re
 import sys
 import traceback
+import warnings
+from collections import Counter
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from fp32keep import KeepLayoutError, resolve_keep_plan
+from pytest_fp32keep.check.render import progress_line
 from pytest_fp32keep.check.targets import Target, resolve_targets
 from pytest_fp32keep.contract import CHECKS, ContractViolation, assert_fp32_keep_contract
 from pytest_fp32keep.runner.processes import init_process_group_kwargs
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: Python's and torch's global seed before each case.
+CASE_SEED = 0
+#: torch's warning (``torch/distributed/fsdp/_fully_shard/_fsdp_state.py``) that an FSDP2 unit
+#: returned a view tensor; the group is the unit's class names.
+VIEW_WARNING = re.compile(r"FSDP2-wrapped module \((?P<modules>[^)]*)\) returned a view tensor")
+
+
+class ViewWarnings:
+    """Records torch's FSDP2 view-tensor warning instead of printing it; passes the rest on.
+
+    Use as a context manager around the cases: ``counts`` maps the unit class names to how many
+    times the warning would have been printed.
+    """
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self._shown: Any = None
+
+    def __enter__(self) -> ViewWarnings:
+        self._shown = warnings.showwarning
+        warnings.showwarning = self._show
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        warnings.showwarning = self._shown
+
+    def _show(
+        self,
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        match = VIEW_WARNING.search(str(message))
+        if match is not None and issubclass(category, UserWarning):
+            self.counts[match["modules"]] += 1
+            return
+        self._shown(message, category, filename, lineno, file, line)
 
 
 def _init() -> str:
@@ -44,6 +112,11 @@ def _init() -> str:
 def _run_case(
     target: Target, dtype_name: str, autocast: bool, prefetch: bool, device: str
 ) -> dict[str, Any]:
+    # The same seed before every case on every rank: a --batch function that draws from the
+    # global generators builds the same batch in every rank and every run (the model itself is
+    # built under assert_fp32_keep_contract's own seed).
+    random.seed(CASE_SEED)
+    torch.manual_seed(CASE_SEED)
     mesh = init_device_mesh(device, (dist.get_world_size(),))
     case: dict[str, Any] = {
         "target": target.name,
@@ -91,21 +164,46 @@ def _run_case(
     return case
 
 
+def _view_warnings(counts: Counter[str]) -> dict[str, Any]:
+    """Every rank's recorded view-tensor warnings, summed on rank 0 (a collective)."""
+    gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+    dist.gather_object(dict(counts), gathered if dist.get_rank() == 0 else None, dst=0)
+    total: Counter[str] = Counter()
+    for rank_counts in gathered:
+        total.update(rank_counts or {})
+    return {"count": sum(total.values()), "modules": sorted(total)}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the cases in ``SPEC`` (JSON) and write the results to ``OUT`` (JSON, rank 0)."""
     spec_path, out_path = (argv if argv is not None else sys.argv[1:])[:2]
     spec = json.loads(Path(spec_path).read_text())
     device = _init()
     targets, _ = resolve_targets(spec["targets"], spec.get("batch"))
+    runs = [
+        (target, dtype_name, autocast, prefetch)
+        for target in targets
+        for dtype_name in spec["dtypes"]
+        for autocast in spec["autocast"]
+        for prefetch in spec["prefetch"]
+    ]
     cases = []
-    for target in targets:
-        for dtype_name in spec["dtypes"]:
-            for autocast in spec["autocast"]:
-                for prefetch in spec["prefetch"]:
-                    cases.append(_run_case(target, dtype_name, autocast, prefetch, device))
-                    dist.barrier()
+    with ViewWarnings() as recorded:
+        for index, run in enumerate(runs, start=1):
+            cases.append(_run_case(*run, device))
+            if spec.get("progress") and dist.get_rank() == 0:
+                line = progress_line(index, len(runs), cases[-1], int(spec.get("width", 100)))
+                print(line, flush=True)
+            dist.barrier()
+    view_warnings = _view_warnings(recorded.counts)
     if dist.get_rank() == 0:
-        Path(out_path).write_text(json.dumps({"device": device, "cases": cases}, indent=2))
+        result = {
+            "device": device,
+            "backend": dist.get_backend(),
+            "cases": cases,
+            "view_warnings": view_warnings,
+        }
+        Path(out_path).write_text(json.dumps(result, indent=2))
     gc.collect()  # FSDP2 modules sit in cycles: free them before the group (see rank_session)
     dist.barrier()  # every rank done with its last collective before the group goes away
     dist.destroy_process_group()

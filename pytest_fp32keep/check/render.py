@@ -1,21 +1,43 @@
-"""The results of ``fp32keep check`` as a text table (the terminal) and as Markdown (reports).
+"""The results of ``fp32keep check`` as terminal text and as Markdown (reports).
 
-Pure functions over the JSON-ready case dictionaries that :mod:`pytest_fp32keep.check.ranks`
-writes: no I/O.
+Pure functions over the JSON-ready result that :mod:`pytest_fp32keep.check.cli` assembles from
+what :mod:`pytest_fp32keep.check.ranks` writes (``cases``, ``device``, ``backend``,
+``view_warnings``) plus what the command knows (``nproc``, ``versions``, ``commit``,
+``threads``, ``seconds``, ``date``, ``unavailable``): no I/O. The terminal text fits the width
+it is given (:mod:`.layout`); Markdown is not wrapped.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from pytest_fp32keep.check.layout import (
+    Column,
+    column_widths,
+    fit_lines,
+    render_table,
+    table_width,
+    wrap_text,
+)
+
 CHECK_COLUMNS = ("stored", "materialized", "boundary", "operators", "parity", "round trip")
+#: The terminal's headers for the checks (the full names do not fit 80 columns; the legend
+#: names them).
+SHORT_CHECK_HEADERS = ("stored", "gather", "bound", "ops", "parity", "trip")
+HEADER = ["model", "dtype", "context", "result", *CHECK_COLUMNS, "kept tensors"]
+#: Paragraphs (header, legend, notes) are wrapped at most this wide, however wide the terminal.
+PROSE_WIDTH = 100
+#: The kept-tensors column stays in the table only when it gets this many columns (or all it
+#: needs); otherwise each row's kept tensors go on a line of their own under the row.
+_KEPT_MIN_WIDTH = 40
 
 
 def _mark(value: bool | None) -> str:
     return "-" if value is None else ("pass" if value else "FAIL")
 
 
-def _kept_summary(case: dict[str, Any]) -> str:
+def kept_summary(case: dict[str, Any]) -> str:
+    """The kept-tensors cell: how many, stored and all-gathered dtypes, or what was refused."""
     if case["outcome"] == "refused":
         refused = case.get("refused", [])
         more = f" (+{len(refused) - 2} more)" if len(refused) > 2 else ""
@@ -29,11 +51,27 @@ def _kept_summary(case: dict[str, Any]) -> str:
 
 
 def case_result(case: dict[str, Any]) -> str:
+    """The result cell of one case."""
     if case["outcome"] == "refused":
         return "pass (refused)" if case["ok"] else "FAIL (refused)"
     if case["expect_layout_error"]:
         return "FAIL (not refused)"
     return {"pass": "pass", "fail": "FAIL", "error": "ERROR"}[case["outcome"]]
+
+
+def case_title(case: dict[str, Any]) -> str:
+    """``t5 fp16 autocast``: which case."""
+    return f"{case['target']} {case['dtype']} {case['context']}"
+
+
+def progress_line(index: int, total: int, case: dict[str, Any], width: int) -> str:
+    """``[3/18] t5 fp16 autocast ... pass``, its title shortened to fit ``width``."""
+    prefix, suffix = f"[{index}/{total}] ", f" ... {case_result(case)}"
+    title = case_title(case)
+    room = max(8, width - len(prefix) - len(suffix))
+    if len(title) > room:
+        title = title[: room - 3] + "..."
+    return prefix + title + suffix
 
 
 def _rows(cases: list[dict[str, Any]]) -> list[list[str]]:
@@ -43,33 +81,169 @@ def _rows(cases: list[dict[str, Any]]) -> list[list[str]]:
         rows.append(
             [case["target"], case["dtype"], case["context"], case_result(case)]
             + [_mark(status.get(check)) for check in CHECK_COLUMNS]
-            + [_kept_summary(case)]
+            + [kept_summary(case)]
         )
     return rows
 
 
-HEADER = ["model", "dtype", "context", "result", *CHECK_COLUMNS, "kept tensors"]
+def render_table_text(cases: list[dict[str, Any]], width: int) -> list[str]:
+    """The model x dtype x check table in at most ``width`` columns.
+
+    The checks get short headers and one space between them; the model and context columns
+    wrap when they must. The kept tensors are a column when it fits, else a line under each row
+    that keeps (or refuses) anything.
+    """
+    rows = _rows(cases)
+    cells = list(zip(*rows, strict=True)) if rows else [()] * len(HEADER)
+    main: list[Column] = []
+    for gap in (2, 1):  # one space between all columns before wrapping any
+        main = [
+            Column("model", cells[0], min_width=12),
+            Column("dtype", cells[1], gap=gap),
+            Column("context", cells[2], gap=gap, min_width=8),
+            Column("result", cells[3], gap=gap, min_width=9),  # "pass" over "(refused)"
+        ] + [
+            Column(header, cells[4 + i], gap=gap if i == 0 else 1)
+            for i, header in enumerate(SHORT_CHECK_HEADERS)
+        ]
+        if table_width(main, [column.natural_width for column in main]) <= width:
+            break
+    kept = [str(cell) for cell in cells[-1]]
+    kept_column = Column("kept tensors", kept, min_width=_KEPT_MIN_WIDTH)
+    room = width - table_width(main, column_widths(main, width)) - kept_column.gap
+    if room >= min(kept_column.natural_width, _KEPT_MIN_WIDTH):
+        return render_table([*main, kept_column], width)
+    below = [
+        []
+        if text == "none"
+        else wrap_text(
+            text if text.startswith("refused") else f"kept {text}",
+            width,
+            first="    ",
+            rest="      ",
+        )
+        for text in kept
+    ]
+    return render_table(main, width, below=below)
 
 
-def render_text(cases: list[dict[str, Any]]) -> str:
-    """The result table as aligned text."""
-    rows = [HEADER, *_rows(cases)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows
-    )
+def header_line(result: dict[str, Any]) -> str:
+    """What ran where: ranks, backend, threads, versions, commit, cases and time."""
+    versions = result.get("versions", {})
+    parts = [
+        f"{result['nproc']} rank{'s' if result['nproc'] != 1 else ''} on "
+        f"{result.get('backend', '?')} ({result.get('device', '?')})"
+    ]
+    if result.get("threads"):
+        parts.append(str(result["threads"]))
+    parts += [
+        f"torch {versions.get('torch', '?')}",
+        f"transformers {versions.get('transformers', '?')}",
+        f"pytest-fp32keep {versions.get('pytest-fp32keep', '?')}",
+    ]
+    if result.get("commit"):
+        parts.append(f"commit {result['commit']}")
+    cases = len(result["cases"])
+    timing = f" in {result['seconds']} s" if "seconds" in result else ""
+    parts.append(f"{cases} case{'s' if cases != 1 else ''}{timing}")
+    return ", ".join(parts)
+
+
+#: What each check column means, for the legend.
+_MEANING = (
+    "dtype at rest",
+    "dtype when all-gathered",
+    "activation dtypes at kept modules",
+    "operators inside kept modules",
+    "logits and loss bit-identical to an unsharded reference, gradients too or within plain "
+    "FSDP2's own noise",
+    "full-state-dict round trip",
+)
+
+
+def legend_text(cases: list[dict[str, Any]], *, short_headers: bool) -> str:
+    """What the cells mean; the parts about refusals and never-gathered tensors only when such
+    cells are shown."""
+    names = SHORT_CHECK_HEADERS if short_headers else CHECK_COLUMNS
+    parts = [
+        f"{name} = {what}" + (f" ({full})" if full not in (name, "operators", "round trip") else "")
+        for name, full, what in zip(names, CHECK_COLUMNS, _MEANING, strict=True)
+    ]
+    text = "; ".join(parts) + "; - = not run. "
+    text += "kept N = tensors kept in FP32: stored / all-gathered dtype"
+    if any(row.get("materialized") == "-" for case in cases for row in case.get("kept", [])):
+        text += " (- = never all-gathered, e.g. a buffer)"
+    text += "."
+    if any(case["outcome"] == "refused" for case in cases):
+        text += (
+            " pass (refused) = apply_fsdp2 refused a layout FSDP2 cannot keep"
+            " (KeepLayoutError), as expected for this model."
+        )
+    return text
+
+
+def notes(result: dict[str, Any]) -> list[str]:
+    """Summarised known noise from the ranks, and the zoo entries not checked."""
+    found = []
+    warned = result.get("view_warnings") or {}
+    if warned.get("count"):
+        modules = list(warned.get("modules", []))
+        more = f" and {len(modules) - 4} more" if len(modules) > 4 else ""
+        shown = ", ".join(modules[:4]) + more
+        found.append(
+            f"torch warned {warned['count']} times in the ranks: FSDP2-wrapped module returned "
+            f"a view tensor ({shown}) - harmless unless your code modifies such outputs in "
+            "place, which skips an all-gather (backward would then fail or the gradients "
+            "differ, and this check would report it)."
+        )
+    for name, reason in result.get("unavailable", {}).items():
+        found.append(f"not checked: {name}: {reason}")
+    return found
+
+
+def _finding_lines(case: dict[str, Any]) -> list[str]:
+    return [
+        f"- `{finding['check']}` {finding['subject']}: expected {finding['expected']}, "
+        f"observed {finding['observed']}"
+        for finding in case.get("failures", [])[:20]
+    ]
+
+
+def _message(case: dict[str, Any]) -> str:
+    if case["outcome"] in ("error", "refused") and not case["ok"] and case["message"]:
+        return str(case["message"]).strip()[-3000:]
+    return ""
 
 
 def case_details(case: dict[str, Any]) -> list[str]:
-    lines = []
-    for finding in case.get("failures", [])[:20]:
-        lines.append(
-            f"- `{finding['check']}` {finding['subject']}: expected {finding['expected']}, "
-            f"observed {finding['observed']}"
-        )
-    if case["outcome"] in ("error", "refused") and not case["ok"] and case["message"]:
-        lines.append("```\n" + case["message"].strip()[-3000:] + "\n```")
+    """Markdown lines: the failing findings (at most 20), then the error message if any."""
+    lines = _finding_lines(case)
+    message = _message(case)
+    if message:
+        lines.append("```\n" + message + "\n```")
     return lines
+
+
+def render_text(result: dict[str, Any], width: int) -> str:
+    """The whole terminal report in at most ``width`` columns (where a word allows it): header,
+    table, legend, notes and the details of every case that failed."""
+    cases = result["cases"]
+    prose = min(width, PROSE_WIDTH)
+    lines = wrap_text(header_line(result), prose, first="fp32keep check: ", rest="  ")
+    lines += ["", *render_table_text(cases, width), ""]
+    lines += wrap_text(legend_text(cases, short_headers=True), prose, first="legend: ", rest="  ")
+    for note in notes(result):
+        lines += wrap_text(note, prose, first="note: ", rest="  ")
+    for case in cases:
+        if case["ok"]:
+            continue
+        lines += ["", *wrap_text(f"{case_title(case)}: {case_result(case)}", width)]
+        for finding in _finding_lines(case):
+            lines += wrap_text(finding, width, rest="    ")
+        message = _message(case)
+        if message:
+            lines += fit_lines("\n".join("    " + line for line in message.splitlines()), width)
+    return "\n".join(lines)
 
 
 def render_markdown(result: dict[str, Any]) -> str:
@@ -79,22 +253,16 @@ def render_markdown(result: dict[str, Any]) -> str:
     lines = [
         "## FP32-keep contract",
         "",
-        f"{passed} of {len(cases)} cases pass — {result['nproc']} ranks on {result['device']}, "
-        f"torch {result['versions']['torch']}, transformers {result['versions']['transformers']}, "
-        f"{result['date']}.",
+        f"{passed} of {len(cases)} cases pass — {header_line(result)}, {result['date']}.",
         "",
         "| " + " | ".join(HEADER) + " |",
         "|" + "---|" * len(HEADER),
     ]
     lines += ["| " + " | ".join(row) + " |" for row in _rows(cases)]
-    for name, reason in result.get("unavailable", {}).items():
-        lines.append(f"\n*{name}* not checked: {reason}")
-    failing = [case for case in cases if not case["ok"]]
-    for case in failing:
-        lines += [
-            "",
-            f"### {case['target']} {case['dtype']} ({case['context']}): {case_result(case)}",
-            "",
-        ]
+    lines += ["", legend_text(cases, short_headers=False)]
+    lines += [f"\n*Note:* {note}" for note in notes(result)]
+    for case in (case for case in cases if not case["ok"]):
+        title = f"{case['target']} {case['dtype']} ({case['context']})"
+        lines += ["", f"### {title}: {case_result(case)}", ""]
         lines += case_details(case)
     return "\n".join(lines) + "\n"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -45,4 +47,18 @@ def slow_in_ranks() -> nn.Module:
     """Builds at once in the command (validation), but sleeps for minutes inside the ranks."""
     if "RANK" in os.environ:  # set by torchrun for every rank
         time.sleep(300)
+    return kept_stack()
+
+
+#: What :func:`noisy_stack` writes to stderr in the ranks: no filter of ``fp32keep check`` knows it.
+NOISY_LINE = "noisy_stack: a line on the ranks' stderr that fp32keep check must not swallow"
+#: The warning :func:`noisy_stack` raises in the ranks: not torch's, so it is printed as usual.
+NOISY_WARNING = "noisy_stack: a warning of the user's own"
+
+
+def noisy_stack() -> nn.Module:
+    """:func:`kept_stack`, writing a line to stderr and warning, inside the ranks only."""
+    if "RANK" in os.environ:
+        print(NOISY_LINE, file=sys.stderr, flush=True)
+        warnings.warn(NOISY_WARNING, UserWarning, stacklevel=1)
     return kept_stack()

@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import fcntl
 import json
 import os
+import pty
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
+import termios
+import threading
 import uuid
+import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from pytest_fp32keep.check.cli import main
+from pytest_fp32keep.check.cli import _write_reports, main
+from pytest_fp32keep.check.layout import Column, column_widths, wrap_cell, wrap_text
+from pytest_fp32keep.check.render import progress_line, render_markdown, render_text
+from tests.cli.targets import NOISY_LINE, NOISY_WARNING
 from tests.error_bounds import PARENT_BOUND_S, within
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,6 +59,95 @@ def test_bad_options_are_usage_errors(
         main(["check", *argv])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Run ``fp32keep check ARGV`` in-process: a usage error (exit 2, no rank); its stderr."""
+    with within(PARENT_BOUND_S), pytest.raises(SystemExit) as exit_info:
+        main(["check", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "fp32keep check: error:" in err
+    return err
+
+
+def test_report_into_a_missing_folder_is_a_usage_error_before_any_rank(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "no" / "such" / "folder"
+    err = _usage_error(["--report", str(missing / "summary.md")], capsys)
+    assert f"argument --report: the folder '{missing}' does not exist" in err
+    assert f"mkdir -p {missing}" in err
+    err = _usage_error(["--report-json", str(missing / "summary.json")], capsys)
+    assert f"argument --report-json: the folder '{missing}' does not exist" in err
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc (Linux)")
+def test_report_into_a_folder_nobody_can_write_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # /proc takes no new files even from root, for whom os.access always says yes
+    err = _usage_error(["--report", "/proc/summary.md"], capsys)
+    assert "argument --report: cannot write in the folder '/proc'" in err
+    assert "choose a folder you can write to" in err
+
+
+def test_report_naming_a_folder_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = _usage_error(["--report", str(tmp_path)], capsys)
+    assert f"argument --report: '{tmp_path}' is a folder; name a file in it" in err
+    assert str(tmp_path / "summary.md") in err
+
+
+def test_json_name_for_the_markdown_report_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = str(tmp_path / "r.json")
+    err = _usage_error(["--report", path], capsys)
+    assert f"argument --report: '{path}' ends in .json, but --report writes Markdown" in err
+    assert f"use --report-json '{path}'" in err
+    path = str(tmp_path / "r.md")
+    err = _usage_error(["--report-json", path], capsys)
+    assert f"argument --report-json: '{path}' ends in .md, but --report-json writes JSON" in err
+    assert f"use --report '{path}'" in err
+    same = str(tmp_path / "report")
+    err = _usage_error(["--report", same, "--report-json", same], capsys)
+    assert "--report and --report-json name the same file" in err
+
+
+@pytest.mark.parametrize(
+    "targets", [pytest.param([], id="whole-zoo"), pytest.param(["t5", "llama"], id="zoo-names")]
+)
+def test_batch_with_only_zoo_targets_is_a_usage_error(
+    targets: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = _usage_error([*targets, "--batch", "tests.cli.targets:toy_batch"], capsys)
+    assert "--batch applies to package.module:factory TARGETs only" in err
+    assert "drop --batch, or name your module:factory TARGET" in err
+    assert ("t5, llama" if targets else "the whole zoo") in err
+
+
+def test_report_options_choose_the_files(tmp_path: Path) -> None:
+    """--report writes Markdown and JSON beside it; --report-json moves or alone writes JSON."""
+    result = _result([_case("t5", kept=4)])
+
+    def write(report: Path | None, report_json: Path | None) -> None:
+        args = argparse.Namespace(report=report, report_json=report_json)
+        assert _write_reports(args, result) is None
+
+    write(tmp_path / "a.md", None)
+    assert (tmp_path / "a.md").read_text().startswith("## FP32-keep contract")
+    assert json.loads((tmp_path / "a.json").read_text())["nproc"] == 2
+    args = argparse.Namespace(report=None, report_json=tmp_path / "data" / "c.json")
+    assert "cannot write the report" in str(_write_reports(args, result))
+    (tmp_path / "data").mkdir()
+    write(None, tmp_path / "data" / "c.json")
+    assert json.loads((tmp_path / "data" / "c.json").read_text())["cases"][0]["target"] == "t5"
+    write(tmp_path / "d.md", tmp_path / "data" / "d.json")
+    assert (tmp_path / "d.md").exists()
+    assert not (tmp_path / "d.json").exists()
+    assert (tmp_path / "data" / "d.json").exists()
 
 
 @pytest.mark.parametrize(
@@ -103,6 +203,170 @@ def test_list_names_the_zoo(capsys: pytest.CaptureFixture[str]) -> None:
     assert "rwkv  (expects KeepLayoutError where its plan keeps anything)" in out
 
 
+def _case(target: str, *, kept: int = 0, outcome: str = "pass", **extra: Any) -> dict[str, Any]:
+    """A case as the ranks write it."""
+    passed = outcome == "pass"
+    case: dict[str, Any] = {
+        "target": target,
+        "dtype": "fp16",
+        "context": "autocast",
+        "expect_layout_error": False,
+        "status": {} if outcome == "refused" else dict.fromkeys(CHECKS, passed),
+        "kept": [
+            {
+                "fqn": f"layers.{i}.wo.weight",
+                "entry": "wo",
+                "list_kind": "regular",
+                "stored": "float32",
+                "materialized": "float32",
+            }
+            for i in range(kept)
+        ],
+        "failures": [],
+        "message": "",
+        "outcome": outcome,
+        "ok": passed,
+    }
+    case.update(extra)
+    return case
+
+
+CHECKS = ("stored", "materialized", "boundary", "operators", "parity", "round trip")
+
+
+def _result(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """A result as the command assembles it."""
+    return {
+        "cases": cases,
+        "device": "cpu",
+        "backend": "gloo",
+        "view_warnings": {"count": 18, "modules": ["FSDPT5Block"]},
+        "nproc": 2,
+        "versions": {"torch": "2.13.0", "transformers": "5.10.4", "pytest-fp32keep": "0.1.0"},
+        "commit": "abc1234",
+        "threads": "OMP_NUM_THREADS=1 (torchrun's default)",
+        "date": "2026-01-01 00:00 UTC",
+        "seconds": 12.5,
+        "unavailable": {},
+    }
+
+
+def _zoo_like_result() -> dict[str, Any]:
+    """Every kind of row: kept, nothing kept, refused as expected, a failure, a long name."""
+    refused = [f"rwkv.blocks.{i}.attention.time_decay" for i in range(4)]
+    failing = _case("gpt_oss", kept=5, outcome="fail", ok=False)
+    failing["status"]["parity"] = False
+    failing["failures"] = [
+        {
+            "check": "parity",
+            "subject": "grad model.layers.0.mlp.experts.gate_up_proj",
+            "expected": "<= 0.0164 relative",
+            "observed": "0.5 relative",
+            "ok": False,
+        }
+    ]
+    return _result(
+        [
+            _case("t5", kept=4),
+            _case("llama"),
+            _case(
+                "instructblip",
+                outcome="refused",
+                ok=True,
+                refused=refused,
+                expect_layout_error=True,
+            ),
+            failing,
+            _case("my_company.research.models.experimental:build_the_big_one", kept=2),
+        ]
+    )
+
+
+def _check_fits(text: str, width: int) -> None:
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= width, max(lines, key=len)
+    assert [line for line in lines if line != line.rstrip()] == []
+
+
+@pytest.mark.parametrize("width", [80, 100, 160])
+def test_terminal_report_fits_the_width(width: int) -> None:
+    result = _zoo_like_result()
+    text = render_text(result, width)
+    _check_fits(text, width)
+    assert text.startswith("fp32keep check: 2 ranks on gloo (cpu), OMP_NUM_THREADS=1")
+    for field in ("torch 2.13.0", "transformers 5.10.4", "commit abc1234", "5 cases in 12.5 s"):
+        assert field in " ".join(text.split())
+    assert "legend: stored = dtype at rest" in text
+    assert "pass (refused) = apply_fsdp2 refused" in " ".join(text.split())
+    assert text.count("torch warned 18 times") == 1
+    assert "4: stored float32, all-gathered float32" in text  # kept: a column or a line below
+    assert "expected <= 0.0164 relative, observed 0.5" in " ".join(text.split())
+
+
+def test_kept_tensors_are_a_column_only_where_they_fit() -> None:
+    result = _result([_case("t5", kept=4), _case("llama")])
+    wide = render_text(result, 160).splitlines()
+    assert any(line.startswith("model") and line.endswith("kept tensors") for line in wide)
+    assert any(line.startswith("t5 ") and line.endswith("all-gathered float32") for line in wide)
+    narrow = render_text(result, 100).splitlines()
+    row = next(index for index, line in enumerate(narrow) if line.startswith("t5 "))
+    assert narrow[row + 1] == "    kept 4: stored float32, all-gathered float32"
+    assert not any("kept tensors" in line for line in narrow)
+    assert not any(line.lstrip().startswith("kept") for line in narrow[row + 2 :][:2])  # llama
+
+
+def test_no_commit_outside_a_repository_and_legend_only_what_is_shown() -> None:
+    result = _result([_case("t5", kept=4)])
+    result["commit"] = None
+    text = render_text(result, 100)
+    assert "commit" not in text
+    assert "refused" not in text  # no refused row: no word about refusals
+    assert "never all-gathered" not in text
+
+
+def test_markdown_report_has_the_header_and_legend() -> None:
+    markdown = render_markdown(_zoo_like_result())
+    assert "| t5 | fp16 | autocast | pass | pass | pass | pass | pass | pass | pass |" in markdown
+    assert "2 ranks on gloo (cpu)" in markdown
+    assert "commit abc1234" in markdown
+    assert "stored = dtype at rest; materialized = dtype when all-gathered" in markdown
+    assert "*Note:* torch warned 18 times" in markdown
+    assert "### gpt_oss fp16 (autocast): FAIL" in markdown
+
+
+def test_layout_wraps_names_at_separators_and_never_widens() -> None:
+    assert wrap_cell("tests.cli.targets:kept_stack", 12) == ["tests.cli.", "targets:", "kept_stack"]
+    assert wrap_text("a " * 30, 20, first="x: ", rest="  ")[1].startswith("  a")
+    columns = [Column("model", ["m" * 29], min_width=12), Column("result", ["pass"], min_width=9)]
+    assert column_widths(columns, 30) == [22, 6]  # narrowed to fit; "result" not widened to 9
+
+
+def test_progress_line_fits() -> None:
+    assert progress_line(3, 18, _case("t5"), 100) == "[3/18] t5 fp16 autocast ... pass"
+    long = progress_line(1, 2, _case("a.very.long.module.name:factory" * 4), 60)
+    assert len(long) == 60
+    assert long.endswith("... ... pass")
+
+
+def test_the_ranks_record_torchs_view_warning_and_print_every_other() -> None:
+    from pytest_fp32keep.check.ranks import ViewWarnings
+
+    shown: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda message, *args, **kwargs: shown.append(str(message))
+        with ViewWarnings() as recorded:
+            for _ in range(3):
+                warnings.warn(
+                    "FSDP2-wrapped module (FSDPT5Block) returned a view tensor. An in-place op",
+                    UserWarning,
+                    stacklevel=1,
+                )
+            warnings.warn("something else", UserWarning, stacklevel=1)
+    assert recorded.counts == {"FSDPT5Block": 3}
+    assert shown == ["something else"]
+
+
 #: The installed console script, as a user runs it (not ``python -m``).
 CONSOLE_SCRIPT = Path(sys.executable).with_name("fp32keep")
 
@@ -144,14 +408,110 @@ def build():
 """
 
 
+def _environment(**overrides: str) -> dict[str, str]:
+    """This process's environment without COLUMNS (the command's width is its own default)."""
+    env = {key: value for key, value in os.environ.items() if key != "COLUMNS"}
+    env.update(overrides)
+    return env
+
+
 def test_console_script_imports_a_users_module_from_the_current_directory(
     tmp_path: Path,
 ) -> None:
     (tmp_path / "mymodels.py").write_text(USER_MODULE)
-    completed = run_cli("mymodels:build", "--dtype", "fp16", cwd=tmp_path)
+    completed = run_cli("mymodels:build", "--dtype", "fp16", cwd=tmp_path, env=_environment())
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     assert "1 passed, 0 failed" in completed.stdout
     assert "4: stored float32" in completed.stdout  # the four `wo` weights are kept
+    # stdout is a file: the default width, no progress lines, no commit outside a repository
+    _check_fits(completed.stdout, 100)
+    assert "[1/1]" not in completed.stdout
+    assert completed.stdout.startswith("fp32keep check: 2 ranks on ")
+    assert "commit" not in completed.stdout.split("\n\n")[0]
+
+
+def run_cli_in_terminal(
+    *argv: str, columns: int, cwd: Path = ROOT, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run the console script with stdout on a pseudo-terminal ``columns`` wide (stderr to a
+    file, to tell them apart); the terminal's output with ``\\n`` line ends."""
+    assert CONSOLE_SCRIPT.exists(), f"the console script is not installed at {CONSOLE_SCRIPT}"
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    chunks: list[bytes] = []
+
+    def drain() -> None:
+        with contextlib.suppress(OSError):  # EIO once every writer has closed the terminal
+            while data := os.read(master, 65536):
+                chunks.append(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    with tempfile.TemporaryFile("w+") as err:
+        try:
+            completed = subprocess.run(
+                [str(CONSOLE_SCRIPT), "check", *argv],
+                cwd=cwd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=slave,
+                stderr=err,
+                text=True,
+                timeout=900,
+                check=False,
+            )
+        finally:
+            os.close(slave)
+            reader.join(timeout=30)
+            os.close(master)
+        err.seek(0)
+        out = b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
+        return subprocess.CompletedProcess(completed.args, completed.returncode, out, err.read())
+
+
+def test_terminal_run_header_legend_width_progress_and_noise(tmp_path: Path) -> None:
+    """A real run in an 80-column terminal: progress per case, the header, a table that fits,
+    the legend, torch's view-tensor warning summarised once, and a rank's own stderr intact."""
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    env = _environment()
+    env.pop("OMP_NUM_THREADS", None)
+    completed = run_cli_in_terminal(
+        "t5",
+        "tests.cli.targets:noisy_stack",
+        "--batch",
+        "tests.cli.targets:toy_batch",
+        "--dtype",
+        "fp16",
+        columns=80,
+        env=env,
+    )
+    out, err = completed.stdout, completed.stderr
+    assert completed.returncode == 0, out[-3000:] + err[-3000:]
+    _check_fits(out, 80)
+    assert "fp32keep check: running 2 cases in 2 ranks" in out
+    assert "[1/2] t5 fp16 autocast ... pass" in out
+    assert "[2/2] tests.cli.targets:noisy_stack fp16 autocast ... pass" in out
+    header = " ".join(out.split("\n\n")[1].split())
+    assert header.startswith("fp32keep check: 2 ranks on gloo (cpu), OMP_NUM_THREADS=1")
+    assert "torch 2." in header
+    assert "transformers " in header
+    assert (f"commit {commit}" in header) == bool(commit)
+    assert "legend: stored = dtype at rest; gather = dtype when all-gathered" in out
+    assert "    kept 4: stored float32, all-gathered float32" in out
+    # torch's noise: one note, not a copy per rank; torchrun's OMP banner not at all
+    assert out.count("torch warned") == 1
+    assert "FSDP2-wrapped module returned a view tensor (FSDPT5Block" in " ".join(out.split())
+    assert "returned a view tensor" not in err
+    assert "Setting OMP_NUM_THREADS" not in out + err
+    # what fp32keep check does not know still reaches the user, from every rank
+    assert err.count(NOISY_LINE) >= 2
+    assert f"UserWarning: {NOISY_WARNING}" in err
 
 
 #: Set for the console script in a test and inherited by all it starts: finds its leftovers.
@@ -213,6 +573,7 @@ def test_user_targets_in_two_ranks_with_report(tmp_path: Path) -> None:
         "bf16",
         "--report",
         str(report),
+        env=_environment(),
     )
     # the root-owned layout is refused, and a user's model is not expected to be: exit 1
     assert completed.returncode == 1, completed.stderr[-4000:]
@@ -226,3 +587,13 @@ def test_user_targets_in_two_ranks_with_report(tmp_path: Path) -> None:
     assert {row["fqn"] for row in kept} == {"layers.0.wo.weight", "layers.1.wo.weight"}
     assert {row["stored"] for row in kept} == {"float32"}
     assert data["nproc"] == 2
+    assert data["backend"] == "gloo"
+    assert "2 ranks on gloo (cpu)" in markdown
+    assert "stored = dtype at rest; materialized = dtype when all-gathered" in markdown
+    assert (
+        f"wrote Markdown: {report}\nwrote JSON: {report.with_suffix('.json')}" in completed.stdout
+    )
+    # the refused case's details, in the terminal too, within the width (paths are not cut)
+    assert "tests.cli.targets:root_owned bf16 autocast: FAIL (refused)" in completed.stdout
+    lines = completed.stdout.splitlines()
+    _check_fits("\n".join(line for line in lines if not line.startswith("wrote ")), 100)
