@@ -35,6 +35,7 @@ if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))  # the `ci` package; appended, so installed packages still win
 
 from ci.matrix import read_toml  # noqa: E402
+from tests.plugin._inner import PASSING_MARKED_TEST  # noqa: E402
 
 PACKAGES = {"pytest_fp32keep": ROOT / "pytest_fp32keep", "fp32keep": ROOT / "impl" / "fp32keep"}
 """Each import package the wheel ships -> the repository folder it is built from."""
@@ -254,20 +255,6 @@ def test_unpacked_sdist_passes_its_own_tests(dists: Dists, tmp_path: Path) -> No
     assert " passed" in summary, summary
 
 
-USER_TEST = """
-import pytest
-import torch
-import torch.distributed as dist
-
-
-@pytest.mark.fsdp2
-def test_collective():
-    value = torch.ones(1)
-    dist.all_reduce(value)
-    assert value.item() == 2
-"""
-
-
 def test_installed_wheel_runs_marked_tests_under_warnings_as_errors(
     dists: Dists, tmp_path: Path
 ) -> None:
@@ -295,7 +282,7 @@ def test_installed_wheel_runs_marked_tests_under_warnings_as_errors(
     assert installed.returncode == 0, _tail(installed.stderr)
     project = tmp_path / "user-project"
     project.mkdir()
-    (project / "test_user.py").write_text(USER_TEST)
+    (project / "test_user.py").write_text(PASSING_MARKED_TEST)
     env = {**os.environ, "PYTHONPATH": str(site)}  # before the checkout's editable install
     env.pop("PYTEST_ADDOPTS", None)
     where = subprocess.run(

@@ -43,6 +43,20 @@ def record(name, **data):
     path.write_text(json.dumps(data))
 """
 
+#: The smallest real marked test: one collective in every rank.
+PASSING_MARKED_TEST = """
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.fsdp2
+def test_collective():
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    assert value.item() == 2
+"""
+
 #: An inner conftest that records, in the pytest process only, each test's wall time.
 WALL_CLOCK_CONFTEST = """
 import json, os, time

@@ -8,20 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.plugin._inner import InnerProject
-
-PASSING = """
-import pytest
-import torch
-import torch.distributed as dist
-
-
-@pytest.mark.fsdp2
-def test_collective():
-    value = torch.ones(1)
-    dist.all_reduce(value)
-    assert value.item() == 2
-"""
+from tests.plugin._inner import PASSING_MARKED_TEST, InnerProject
 
 
 @pytest.mark.parametrize(
@@ -36,7 +23,7 @@ def test_warnings_as_errors_let_marked_tests_run(
 ) -> None:
     if ini:
         (inner.path / "pytest.ini").write_text(ini)
-    inner.write(test_strict=PASSING)
+    inner.write(test_strict=PASSING_MARKED_TEST)
     result = inner.run("-rA", *args)
     result.assert_outcomes(passed=1)
     assert "could not start" not in result.stdout.str()
