@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.error_bounds import RANK_FAULT_BOUND_S, note_elapsed
 from tests.plugin._inner import PASSING_MARKED_TEST, InnerProject
 
 
@@ -123,3 +124,45 @@ def test_huge_output_is_spilled_to_a_file_and_the_failure_still_reported(
     whole = Path(spilled[0]).read_text()
     assert len(whole) >= 30_000_000 and whole.count("x" * 99) == 300_000
     assert len(text) < 5_000_000  # the terminal got the head and the tail, not 60 MB
+    # the whole inner session, start-up included: no grace ran out while the ranks printed
+    assert result.duration < RANK_FAULT_BOUND_S, result.duration
+    note_elapsed(result.duration)
+
+
+def test_teardown_error_of_a_fixture_kept_from_an_earlier_test_is_an_error(
+    inner: InnerProject,
+) -> None:
+    """The ranks keep module fixtures for the test they expect next; when the parent skips that
+    test, they tear the fixture down before the next one, and a raising teardown is an error."""
+    inner.write(
+        test_a="""
+        import pytest
+
+        pytestmark = pytest.mark.fsdp2
+
+        @pytest.fixture(scope="module")
+        def resource():
+            yield "resource"
+            raise RuntimeError("cleanup of the kept resource failed")
+
+        def test_uses_it(resource):
+            assert resource == "resource"
+
+        @pytest.mark.skip(reason="decided in the parent: the ranks never see this test")
+        def test_skipped_in_the_parent(resource):
+            pass
+        """,
+        test_b="""
+        import pytest
+
+        @pytest.mark.fsdp2
+        def test_next():
+            pass
+        """,
+    )
+    result = inner.run("-rA")
+    result.assert_outcomes(passed=2, skipped=1, errors=1)
+    text = result.stdout.str()
+    assert "tearing down fixtures kept from an earlier test raised before this test" in text
+    assert "RuntimeError: cleanup of the kept resource failed" in text
+    result.stdout.fnmatch_lines(["ERROR test_b.py::test_next*"])
