@@ -10,6 +10,11 @@
 - ``lint``: ruff, mypy, actionlint on the workflows, and the matrix consistency test.
 - ``bench``: ``bench/run_all.py``, which writes ``bench/RESULTS.md``.
 - ``matrix-report``: renders ``docs/matrix.md`` from the recorded runs.
+- ``families``: ``fp32keep check --all-families`` on the ``[families]`` Transformers labels of
+  ``ci/matrix.toml``, and the plan oracle over every family; writes ``docs/families.md``.
+- ``frameworks``: accelerate's and Transformers' own FSDP2 under the contract
+  (``tests/frameworks``) at the ``[frameworks]`` versions of ``ci/matrix.toml``; writes
+  ``docs/frameworks.md``.
 
 torch is installed with a plain ``pip install torch==X``, so pip's own configuration decides where
 it comes from: a local wheel directory (``PIP_FIND_LINKS``), or an index the user names
@@ -53,6 +58,10 @@ PYTHON = MATRIX.default_python
 """Every session's interpreter; CI runs others with ``--force-python X.Y``."""
 
 nox.options.sessions = ["lint", MATRIX.default_transformers.session]
+# nox skips a session whose interpreter is missing and exits 0 unless it runs under CI; a skipped
+# session here would read as a pass, so a missing interpreter is an error everywhere (pick another
+# with ``--force-python X.Y``).
+nox.options.error_on_missing_interpreters = True
 
 PROJECT_SOURCES = ("pyproject.toml", "impl", "pytest_fp32keep")
 """What the installed project is built from; a change here makes ``-r`` reinstall it."""
@@ -324,6 +333,130 @@ def bench(session: nox.Session) -> None:
     )
     if not results.is_file() or results.stat().st_mtime_ns == before:
         session.error("bench/run_all.py finished without writing bench/RESULTS.md")
+
+
+FAMILIES = read_toml(ROOT / "ci" / "matrix.toml")["families"]
+"""``ci/matrix.toml``'s ``[families]``: Transformers labels, dtypes and ranks of ``families``."""
+
+
+@nox.session(python=PYTHON, default=False)
+def families(session: nox.Session) -> None:
+    """fp32keep check --all-families on each [families] label of ci/matrix.toml; writes
+    docs/families.md.
+
+    One venv, one Transformers after the other (each run's JSON report under build/families/);
+    a family that fails or is refused is a row of the table, not a failed session. ``nox -s
+    families -- 5.10`` runs only the labels given (the others stay ``not yet run``).
+    """
+    pins = {pin.label: pin for pin in MATRIX.transformers}
+    labels = list(session.posargs or FAMILIES["transformers"])
+    unknown = [label for label in labels if label not in pins]
+    if unknown:
+        session.error(f"no Transformers label {unknown} in ci/matrix.toml; known: {sorted(pins)}")
+    out = ROOT / "build" / "families"
+    out.mkdir(parents=True, exist_ok=True)
+    reports = []
+    for label in labels:
+        install_stack(session, MATRIX.torch, pins[label])
+        report = out / f"{label}.json"
+        session.run(
+            "fp32keep",
+            "check",
+            "--all-families",
+            "--dtype",
+            ",".join(FAMILIES["dtypes"]),
+            "--nproc",
+            str(FAMILIES["nproc"]),
+            "--timeout",
+            str(FAMILIES["timeout_s"]),
+            "--report-json",
+            str(report),
+            success_codes=[0, 1],  # 1: some family failed or was refused, a row of the table
+        )
+        reports.append(str(report))
+    session.run(
+        "python",
+        "-m",
+        "pytest_fp32keep.check.families.table",
+        "--output",
+        "docs/families.md",
+        "--versions",
+        ",".join(FAMILIES["transformers"]),
+        *reports,
+    )
+    session.run(
+        "pytest",
+        "tests/test_families.py",
+        "-p",
+        "no:cacheprovider",
+        env={"FP32KEEP_ALL_FAMILIES": "1"},  # the plan oracle over every family
+    )
+
+
+FRAMEWORKS = read_toml(ROOT / "ci" / "matrix.toml")["frameworks"]
+"""``ci/matrix.toml``'s ``[frameworks]``: the Transformers and accelerate pins of ``frameworks``."""
+
+
+@nox.session(name="world-sizes", python=PYTHON, default=False)
+def world_sizes(session: nox.Session) -> None:
+    """Gradient parity at 1, 2, 3, 4 and 8 gloo ranks (docs/contract.md): the opt-in sweep.
+
+    tests/contract/test_parity_world_sizes.py with ``FP32KEEP_PARITY_SWEEP=1``, which selects its
+    ``parity_sweep`` cases (two zoo models, fp32keep and two known-wrong implementations, at every
+    world size); the default suite runs only the 3-rank slice. Arguments after ``--`` go to pytest.
+    """
+    install_stack(session, MATRIX.torch, MATRIX.default_transformers)
+    session.run(
+        "pytest",
+        "tests/contract/test_parity_world_sizes.py",
+        "-p",
+        "no:cacheprovider",
+        *session.posargs,
+        env={"FP32KEEP_PARITY_SWEEP": "1"},
+    )
+
+
+@nox.session(python=PYTHON, default=False)
+def frameworks(session: nox.Session) -> None:
+    """accelerate's and Transformers' own FSDP2 under the contract (tests/frameworks); writes
+    docs/frameworks.md.
+
+    Installs the [frameworks] versions of ci/matrix.toml, runs tests/frameworks (collected only
+    with ``FP32KEEP_FRAMEWORKS=1``), and renders the cases' records into docs/frameworks.json and
+    docs/frameworks.md, also when a case's rows changed (then the session fails, naming the test).
+    Arguments after ``--`` go to pytest.
+    """
+    install_stack(session, MATRIX.torch, TransformersPin(FRAMEWORKS["transformers"]))
+    accelerate = f"accelerate=={FRAMEWORKS['accelerate']}"
+    if installed_versions(session, "accelerate").get("accelerate") != FRAMEWORKS["accelerate"]:
+        pip_install(session, accelerate)
+    results = ROOT / "build" / "frameworks"
+    shutil.rmtree(results, ignore_errors=True)
+    env = {"FP32KEEP_FRAMEWORKS": "1", "FP32KEEP_FRAMEWORKS_RESULTS": str(results)}
+    failed = None
+    try:
+        session.run(
+            "pytest", "tests/frameworks", "-p", "no:cacheprovider", *session.posargs, env=env
+        )
+    except CommandFailed as failure:
+        failed = failure
+    # Exit status 1: every case ran and some differ, still a table; anything else (interrupted,
+    # usage or collection errors) would render a partial one.
+    complete = failed is None or failed.return_code == 1
+    if complete and results.is_dir() and any(results.glob("*.json")):
+        session.run(
+            "python",
+            "-m",
+            "ci.frameworks_report",
+            f"--results={results}",
+            "--data=docs/frameworks.json",
+            "--output=docs/frameworks.md",
+        )
+    if failed is not None:
+        session.error(
+            "tests/frameworks failed: a framework's failing rows are not the ones recorded in "
+            "tests/frameworks/test_frameworks.py (docs/frameworks.md now shows the new ones)"
+        )
 
 
 @nox.session(name="matrix-report", python=False, default=False)

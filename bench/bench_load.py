@@ -16,7 +16,11 @@ verl's loader) and holds a full FP32 state dict. Each arm then loads that dict:
   ``src_data_rank=0`` scatters once more), then ``load_state_dict(assign=True)``;
 * ``broadcast-local``: the same loop with ``distribute_tensor(..., src_data_rank=None)``, which
   slices the broadcast copy locally instead of scattering again (not what accelerate does; shown
-  so the target is checked against the best per-tensor loop, too).
+  so the target is checked against the best per-tensor loop, too);
+* ``scatter``: no loader, a raw gloo ``scatter`` of the same bytes (one scatter, and in 256 MiB
+  pieces): the transport's ceiling, measured in the same run (:mod:`load_scaling`);
+* memory scaling: fp32keep at 2, 4 and 8 ranks on a smaller bf16 model, the source rank's extra
+  memory side by side (:mod:`load_scaling`).
 
 Every arm runs in its own ``torchrun`` processes (2 ranks, gloo, CPU), so one arm's allocations
 never inflate another's peak; with several processes per arm the arms take turns. Each process
@@ -34,11 +38,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import json
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -63,13 +66,21 @@ from _common import (
     spread,
     torchrun_command,
 )
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from load_arms import expected_hashes, loaders, local_hash
+from load_scaling import (
+    MEMORY_BUCKET_MIB,
+    MEMORY_CONFIG,
+    MEMORY_NOTES,
+    MEMORY_RANKS,
+    ceiling_targets,
+    memory_table,
+    memory_targets,
+    own_shard_bytes,
+    scatter_ceiling,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import LlamaConfig, LlamaForCausalLM
-
-import fp32keep
 
 SCRIPT = Path(__file__).resolve()
 NPROC = 2
@@ -103,9 +114,12 @@ class Arm:
     label: str
     method: str
     bucket_mib: int = 0
+    nproc: int = NPROC
+    memory: bool = False  # the memory-scaling model: bf16, FP32 checkpoint
 
     def worker_args(self) -> list[str]:
-        return ["--method", self.method, "--bucket-mib", str(self.bucket_mib)]
+        extra = ["--memory"] if self.memory else []
+        return ["--method", self.method, "--bucket-mib", str(self.bucket_mib), *extra]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -117,12 +131,18 @@ def _worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", timeout=timedelta(minutes=10))
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
-    config = _llama_config(args.quick)
+    config = LlamaConfig(**MEMORY_CONFIG) if args.memory else _llama_config(args.quick)
+    dtype = torch.bfloat16 if args.memory else torch.float32
     torch.manual_seed(0)
+    if args.method == "scatter":
+        nbytes = sum(t.numel() * 4 for t in _meta_state(config).values())
+        seconds, peak = scatter_ceiling(nbytes, args.bucket_mib * MIB or nbytes, args.repeats)
+        _write(args, {"seconds": seconds, "peak_kib": [peak], "hash": "", "expected": []}, nbytes)
+        return
 
     def build() -> Any:
         with torch.device("meta"):
-            model = LlamaForCausalLM(config)
+            model = LlamaForCausalLM(config).to(dtype)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -131,14 +151,15 @@ def _worker(args: argparse.Namespace) -> None:
         return model
 
     state_dict = _make_state_dict(config) if rank == 0 else None
-    loader = _loaders()[args.method]
+    loader = loaders()[args.method]
     seconds: list[float] = []
     peaks_kib: list[int] = []
     shard_hash = ""
+    own_bytes = 0
     expected: list[str] = []
     if rank == 0 and args.expect_hash:
         assert state_dict is not None
-        expected = _expected_hashes(state_dict, world)
+        expected = expected_hashes(state_dict, world, dtype)
     for repeat in range(args.repeats):
         model = build()
         gc.collect()
@@ -153,23 +174,33 @@ def _worker(args: argparse.Namespace) -> None:
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         seconds.append(float(slowest.item()))
         if repeat == 0:
-            shard_hash = _local_hash(model)
+            shard_hash = local_hash(model)
+            own_bytes = own_shard_bytes(model)
         del model
         gc.collect()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     payload = {
-        "rank": rank,
         "seconds": seconds,
         "peak_kib": peaks_kib,
         "hash": shard_hash,
         "expected": expected,
-        "bytes": _state_bytes(state_dict) if state_dict is not None else 0,
+        "own_bytes": own_bytes,
     }
-    (out / f"rank{rank}.json").write_text(json.dumps(payload))
+    _write(args, payload, _state_bytes(state_dict) if state_dict is not None else 0)
+
+
+def _write(args: argparse.Namespace, payload: dict[str, Any], nbytes: int) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    payload = dict(payload, rank=dist.get_rank(), bytes=nbytes if dist.get_rank() == 0 else 0)
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(payload))
     gc.collect()  # free FSDP2's reference cycles while the group lives (see rank_session)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _meta_state(config: Any) -> dict[str, Any]:
+    with torch.device("meta"):
+        return dict(LlamaForCausalLM(config).state_dict())
 
 
 def _llama_config(quick: bool) -> Any:
@@ -189,76 +220,6 @@ def _make_state_dict(config: Any) -> dict[str, torch.Tensor]:
 
 def _state_bytes(state_dict: Mapping[str, Any]) -> int:
     return int(sum(t.numel() * t.element_size() for t in state_dict.values()))
-
-
-def _local_hash(model: Any) -> str:
-    """sha256 over every local shard (name order), as the rank holds it after the load."""
-    digest = hashlib.sha256()
-    for name, value in sorted(model.state_dict().items()):
-        local = value.to_local() if isinstance(value, DTensor) else value
-        digest.update(name.encode())
-        digest.update(str(local.dtype).encode())
-        _hash_bytes(digest, local)
-    return digest.hexdigest()
-
-
-def _hash_bytes(digest: Any, tensor: Any) -> None:
-    """Feed a tensor's raw bytes to ``digest`` without copying them (a numpy view)."""
-    digest.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())
-
-
-def _expected_hashes(state_dict: Mapping[str, Any], world: int) -> list[str]:
-    """What :func:`_local_hash` must give on each rank: FSDP2's dim-0 ``torch.chunk`` pieces."""
-    digests = [hashlib.sha256() for _ in range(world)]
-    for name, full in sorted(state_dict.items()):
-        chunks = list(torch.chunk(full, world, dim=0))
-        for rank, digest in enumerate(digests):
-            piece = chunks[rank] if rank < len(chunks) else full.new_empty((0, *full.shape[1:]))
-            digest.update(name.encode())
-            digest.update(str(piece.dtype).encode())
-            _hash_bytes(digest, piece)
-    return [digest.hexdigest() for digest in digests]
-
-
-Loader = Callable[[Any, Mapping[str, Any] | None, int], None]
-
-
-def _loaders() -> dict[str, Loader]:
-    def load_fp32keep(model: Any, state_dict: Mapping[str, Any] | None, bucket: int) -> None:
-        fp32keep.load_full_state_dict(model, state_dict, bucket_bytes=bucket)
-
-    def load_dcp(model: Any, state_dict: Mapping[str, Any] | None, bucket: int) -> None:
-        # DCP pops and re-inserts keys of the dict it is given: hand it a shallow copy.
-        given = dict(state_dict) if state_dict is not None else {}
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(model, given, options=options)
-
-    def broadcast_loop(src_data_rank: int | None) -> Loader:
-        def load(model: Any, state_dict: Mapping[str, Any] | None, bucket: int) -> None:
-            # accelerate's fsdp2_load_full_state_dict, minus its Accelerator plumbing.
-            rank = dist.get_rank()
-            sharded: dict[str, torch.Tensor] = {}
-            for name, meta in model.state_dict().items():
-                assert isinstance(meta, DTensor)
-                if rank == 0:
-                    assert state_dict is not None
-                    full = state_dict[name].detach().to(device="cpu", dtype=meta.dtype)
-                else:
-                    full = torch.empty(meta.size(), dtype=meta.dtype, device="cpu")
-                dist.broadcast(full, src=0)
-                sharded[name] = distribute_tensor(
-                    full, meta.device_mesh, meta.placements, src_data_rank=src_data_rank
-                )
-            model.load_state_dict(sharded, assign=True)
-
-        return load
-
-    return {
-        "fp32keep": load_fp32keep,
-        "dcp": load_dcp,
-        "broadcast": broadcast_loop(0),
-        "broadcast-local": broadcast_loop(None),
-    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -286,12 +247,13 @@ def config_bytes(quick: bool) -> tuple[int, int]:
     return params, params * 4
 
 
-def empty_measurement() -> dict[str, Any]:
+def empty_measurement(nproc: int = NPROC) -> dict[str, Any]:
     """What :func:`run_process` accumulates for one arm."""
     return {
         "seconds": [],
-        "peak_mib": {rank: [] for rank in range(NPROC)},
-        "hashes": {rank: set() for rank in range(NPROC)},
+        "peak_mib": {rank: [] for rank in range(nproc)},
+        "hashes": {rank: set() for rank in range(nproc)},
+        "own_mib": [],
         "expected": [],
         "bytes": 0,
     }
@@ -301,7 +263,7 @@ def run_process(
     arm: Arm, index: int, measured: dict[str, Any], *, quick: bool, repeats: int
 ) -> None:
     """Launch one fresh torchrun of ``arm`` and add what its ranks wrote to ``measured``."""
-    out = OUT_DIR / "load" / f"{arm.method}-{arm.bucket_mib}-{index}"
+    out = OUT_DIR / "load" / f"{arm.method}-{arm.bucket_mib}-{arm.nproc}-{arm.memory}-{index}"
     for stale in out.glob("rank*.json"):
         stale.unlink()
     args = ["--worker", *arm.worker_args(), "--repeats", str(repeats), "--out", str(out)]
@@ -309,13 +271,14 @@ def run_process(
         args.append("--quick")
     if index == 0:
         args.append("--expect-hash")  # the checkpoint's own chunks, hashed once per arm
-    run_timed(torchrun_command(NPROC, SCRIPT, *args), timeout=1800, env=python_env())
-    for rank in range(NPROC):
+    run_timed(torchrun_command(arm.nproc, SCRIPT, *args), timeout=1800, env=python_env())
+    for rank in range(arm.nproc):
         data = read_json(out / f"rank{rank}.json")
         if rank == 0:
             measured["seconds"].extend(data["seconds"])
             measured["bytes"] = data["bytes"]
             measured["expected"] = data["expected"] or measured["expected"]
+            measured["own_mib"].append(data.get("own_bytes", 0) / MIB)
         measured["peak_mib"][rank].append(data["peak_kib"][0] / 1024)  # the cold first load
         measured["hashes"][rank].add(data["hash"])
 
@@ -326,7 +289,16 @@ def arms_for(quick: bool, buckets: Sequence[int]) -> list[Arm]:
     arms += [Arm("dcp", "dcp"), Arm("broadcast", "broadcast")]
     if not quick:
         arms.append(Arm("broadcast-local", "broadcast-local"))
+    arms.append(Arm("scatter, one", "scatter", 0))
+    arms.append(Arm("scatter, 256 MiB pieces", "scatter", 256))
     return arms
+
+
+def memory_arms() -> list[Arm]:
+    return [
+        Arm(f"memory {n} ranks", "fp32keep", MEMORY_BUCKET_MIB, nproc=n, memory=True)
+        for n in MEMORY_RANKS
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -344,6 +316,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--bucket-mib", type=int, default=256, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--expect-hash", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no-memory", action="store_true", help="skip the 2/4/8-rank arms")
+    parser.add_argument("--memory-only", action="store_true", help="only the 2/4/8-rank arms")
     args = parser.parse_args(argv)
     if args.worker:
         _worker(args)
@@ -354,28 +329,54 @@ def main(argv: Sequence[str] | None = None) -> int:
     processes = args.processes or (1 if quick else 2)
     repeats = args.repeats or (2 if quick else 3)
     buckets = args.buckets or ([256] if quick else [64, 256, 1024])
-    command = "python bench/bench_load.py" + (" --quick" if quick else "")
+    flags = [flag for flag, on in (("--quick", quick), ("--memory-only", args.memory_only)) if on]
+    command = " ".join(["python bench/bench_load.py", *flags])
     result = BenchResult(
         name="load",
-        title="Full-state-dict load (2 ranks, gloo, CPU)",
+        title="Full-state-dict load (gloo, CPU; speed at 2 ranks, memory at 2, 4, 8)",
         command=command,
         mode="quick" if quick else "full",
         load_before=load_average(),
     )
     params, nbytes = config_bytes(quick)
     ceiling = median(copy_ceiling(nbytes, 5))
-    arms = arms_for(quick, buckets)
+    arms = [] if args.memory_only else arms_for(quick, buckets)
     measured = {arm.label: empty_measurement() for arm in arms}
     # Round-robin over the arms (not arm after arm), so a burst of load from elsewhere on the
     # machine spreads over every arm instead of landing on one.
     for index in range(processes):
         for arm in arms:
             run_process(arm, index, measured[arm.label], quick=quick, repeats=repeats)
-    _report(result, measured, params, nbytes, ceiling, processes, repeats)
+    if arms:
+        _report(result, measured, params, nbytes, ceiling, processes, repeats)
+    if not args.no_memory:
+        _memory(result)
     finish(result, args.json, started)
     # Shards that differ make the whole comparison void: fail loudly, unlike a missed target.
     identical = all(t.met is not False for t in result.targets if t.name.startswith("shards"))
     return 0 if identical else 1
+
+
+def _memory(result: BenchResult) -> None:
+    """The memory-scaling arms: one fresh torchrun (one load) per world size."""
+    measured: dict[int, dict[str, Any]] = {}
+    for arm in memory_arms():
+        data = empty_measurement(arm.nproc)
+        run_process(arm, 0, data, quick=False, repeats=1)
+        hashes = [next(iter(data["hashes"][rank])) for rank in range(arm.nproc)]
+        measured[arm.nproc] = {
+            "peak_mib": data["peak_mib"][0][0],
+            "own_mib": data["own_mib"][0],
+            "others_mib": max(data["peak_mib"][rank][0] for rank in range(1, arm.nproc)),
+            "exact": hashes == data["expected"],
+        }
+    config = LlamaConfig(**MEMORY_CONFIG)
+    state = _meta_state(config)
+    nbytes = sum(t.numel() * 4 for t in state.values())
+    largest_mib = max(t.numel() * 2 for t in state.values()) / MIB  # one converted bf16 tensor
+    result.tables.append(memory_table(measured, nbytes))
+    result.targets.extend(memory_targets(measured, largest_mib))
+    result.notes.extend(MEMORY_NOTES)
 
 
 def _report(
@@ -407,6 +408,11 @@ def _report(
     all_identical = True
     for label, data in measured.items():
         wall = median(data["seconds"])
+        if label.startswith("scatter"):  # no model: nothing to hash
+            peaks = [fmt(median(data["peak_mib"][rank])) for rank in (0, 1)]
+            row = [label, fmt(wall), spread(data["seconds"]), fmt(gb / wall), fmt(wall / ceiling)]
+            table.rows.append([*row, *peaks, "n/a"])
+            continue
         hashes = {rank: set(values) for rank, values in data["hashes"].items()}
         signature = {f"{rank}:{h}" for rank, values in hashes.items() for h in values}
         expected = {f"{rank}:{h}" for rank, h in enumerate(data["expected"])}
@@ -433,9 +439,13 @@ def _report(
         key=lambda label: median(measured[label]["seconds"]),
     )
     default_label = next((label for label in measured if label == "fp32keep 256 MiB"), ours_label)
-    alternatives = [label for label in measured if not label.startswith("fp32keep")]
+    alternatives = [label for label in measured if not label.startswith(("fp32keep", "scatter"))]
     fastest_alt = min(alternatives, key=lambda label: median(measured[label]["seconds"]))
     ours = median(measured[default_label]["seconds"])
+    scatter = [label for label in measured if label.startswith("scatter")]
+    ceiling_s = min(median(measured[label]["seconds"]) for label in scatter)
+    dcp_s = median(measured["dcp"]["seconds"])
+    result.targets.extend(ceiling_targets(ours, dcp_s, ceiling_s, default_label))
     speedup = median(measured[fastest_alt]["seconds"]) / ours
     result.targets.append(
         Target(

@@ -29,9 +29,12 @@ def unsharded_reference(
 ) -> Callable[..., nn.Module]:
     """A builder of the unsharded model a sharded one is compared against, on this rank.
 
-    ``unsharded_reference(model_or_factory, dtype=None, *, seed=0, device=None)`` delegates
+    ``unsharded_reference(model_or_factory, dtype=None, *, seed=0, device=None,
+    master_dtype=None)`` delegates
     to :func:`pytest_fp32keep.contract.reference.build_unsharded_reference` with this rank's device
-    unless ``device`` is given: same starting weights, cast the same keep-aware way.
+    unless ``device`` is given: same starting weights, cast the same keep-aware way
+    (``master_dtype=torch.float32``: then upcast to FP32 master weights, as stored before
+    sharding).
     """
     context = rank_context(request)
     from pytest_fp32keep.contract.reference import build_unsharded_reference
@@ -42,9 +45,12 @@ def unsharded_reference(
         *,
         seed: int = 0,
         device: torch.device | str | None = None,
+        master_dtype: torch.dtype | None = None,
     ) -> nn.Module:
         target = context.device_name if device is None else device
-        return build_unsharded_reference(model_or_factory, dtype, device=target, seed=seed)
+        return build_unsharded_reference(
+            model_or_factory, dtype, device=target, seed=seed, master_dtype=master_dtype
+        )
 
     return build
 

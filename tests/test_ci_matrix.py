@@ -44,7 +44,9 @@ from ci.matrix import (  # noqa: E402
     read_toml,
 )
 
-AUX_SESSIONS = frozenset({"lint", "bench", "matrix-report"})
+AUX_SESSIONS = frozenset(
+    {"lint", "bench", "matrix-report", "families", "frameworks", "world-sizes"}
+)
 """The noxfile's sessions that do not come from the matrix."""
 
 GITHUB_RUNNER_LABELS = frozenset(
@@ -150,6 +152,42 @@ def test_noxfile_sessions_are_the_matrix(matrix: Matrix) -> None:
         description = sessions[entry.session][1]
         assert entry.torch.description in description
         assert description.endswith(", ".join(p.label for p in entry.transformers) + ".")
+
+
+def _nox_with_a_missing_interpreter(*options: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``nox -s lint`` on an interpreter no machine has, as a developer runs it (no CI variable)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "GITHUB_ACTIONS")}
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nox",
+            "--noxfile",
+            str(ROOT / "noxfile.py"),
+            "-s",
+            "lint",
+            "--force-python",
+            "3.99",
+            *options,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=120,
+    )
+
+
+def test_a_missing_interpreter_fails_the_session_outside_ci(tmp_path: Path) -> None:
+    _require("nox")
+    run = _nox_with_a_missing_interpreter(cwd=tmp_path)
+    assert run.returncode == 1, run.stderr
+    assert "Python interpreter 3.99 not found" in run.stderr
+    assert "skipped" not in run.stderr
+    # The control: nox's own default outside CI, which the noxfile overrides, is a skip and exit 0.
+    control = _nox_with_a_missing_interpreter("--no-error-on-missing-interpreters", cwd=tmp_path)
+    assert control.returncode == 0, control.stderr
+    assert "skipped: Python interpreter 3.99 not found" in control.stderr
 
 
 # --- tox.ini -----------------------------------------------------------------------------------

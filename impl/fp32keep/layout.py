@@ -3,11 +3,14 @@
 A *unit* is one ``fully_shard`` call: one or more modules whose parameters are all-gathered
 together under one mixed-precision policy. Three kinds exist:
 
-* ``kept``: the topmost modules whose floating parameters are all kept; sharded first, with the
-  caller's policy minus ``param_dtype`` so FSDP2 all-gathers them in their FP32 storage dtype
-  without casting the module's inputs (a ``param_dtype=torch.float32`` unit would turn the
-  module's activation boundary FP32: the known wrong fix);
-* ``standard``: the caller's wrap targets (by default the classes in ``_no_split_modules``);
+* ``kept``: the topmost modules whose floating parameters are all kept, wrap targets nested inside
+  them, and modules that directly own only kept parameters (attention ``sinks``) but have
+  children that are not kept (chosen in :mod:`fp32keep.kept_units`); sharded with
+  :func:`fp32keep.wrap.kept_unit_policy`, no ``param_dtype``, so FSDP2 all-gathers them in their
+  FP32 storage dtype without casting the module's inputs (a ``param_dtype=torch.float32`` unit
+  would turn the module's activation boundary FP32: the known wrong fix);
+* ``standard``: the caller's wrap targets (by default the classes in ``_no_split_modules``), and
+  the children of an owner unit, sharded before it;
 * ``root``: the model itself, owning whatever no other unit took.
 """
 
@@ -22,7 +25,9 @@ import torch
 from torch import nn
 
 from fp32keep.errors import KeepLayoutError, LayoutProblem
+from fp32keep.kept_units import float_param_names, kept_modules
 from fp32keep.plan import KeepPlan
+from fp32keep.reads import DirectRead
 from fp32keep.tensors import is_castable_float, iter_owned, join
 
 UnitKind = Literal["kept", "standard", "root"]
@@ -83,55 +88,6 @@ class Layout:
         ]
         lines += [f"{'replicated':<10} {name}" for name in self.replicated]
         return "\n".join(lines)
-
-
-def _has_own_forward(module: nn.Module) -> bool:
-    # Containers (ModuleList, ModuleDict, a bare nn.Module) never run forward, so FSDP2's forward
-    # hooks on them would never all-gather: their callable descendants must be the units.
-    forward = getattr(type(module), "forward", None)
-    return forward is not None and forward is not nn.Module.forward
-
-
-def _float_param_names(model: nn.Module) -> dict[str, list[str]]:
-    """For every module FQN, the floating parameter names (all aliases) in its subtree."""
-    below: dict[str, list[str]] = defaultdict(list)
-    for module_fqn, _, attribute, tensor, is_param in iter_owned(model):
-        if not is_param or not is_castable_float(tensor.dtype):
-            continue
-        name = join(module_fqn, attribute)
-        parts = module_fqn.split(".") if module_fqn else []
-        for cut in range(len(parts) + 1):
-            below[".".join(parts[:cut])].append(name)
-    return below
-
-
-def _kept_modules(model: nn.Module, plan: KeepPlan, below: dict[str, list[str]]) -> list[str]:
-    kept: list[str] = []
-
-    def fully_kept(fqn: str) -> bool:
-        names = below.get(fqn, [])
-        return bool(names) and all(name in plan.param_names for name in names)
-
-    def callable_descendants(fqn: str, module: nn.Module) -> list[str]:
-        if _has_own_forward(module):
-            return [fqn]
-        found: list[str] = []
-        for child_name, child in module.named_children():
-            child_fqn = join(fqn, child_name)
-            if below.get(child_fqn):
-                found.extend(callable_descendants(child_fqn, child))
-        return found
-
-    def visit(fqn: str, module: nn.Module) -> None:
-        if fully_kept(fqn):
-            kept.extend(callable_descendants(fqn, module))
-            return
-        for child_name, child in module.named_children():
-            visit(join(fqn, child_name), child)
-
-    if plan.param_names:
-        visit("", model)
-    return kept
 
 
 def default_wrap_classes(model: nn.Module) -> frozenset[str]:
@@ -212,6 +168,12 @@ def plan_layout(
 ) -> Layout:
     """Decide the units that keep ``plan`` under FSDP2, or raise with every reason it cannot.
 
+    Kept units are chosen by :func:`fp32keep.kept_units.kept_modules`: topmost fully kept
+    modules, wrap targets nested inside them (never grouped), and owners of only kept, trainable
+    parameters with children that are not kept (never grouped; their children become standard
+    units). A kept module an ancestor reads without calling it (:mod:`fp32keep.reads`) is never
+    a unit: frozen, it is replicated; trainable, it is refused (``read-not-called``).
+
     Args:
         model: the unsharded model, already cast (kept tensors FP32).
         plan: the keep plan.
@@ -225,24 +187,29 @@ def plan_layout(
             kept parameter unsharded, in FP32, during the step).
         replicate_frozen: a kept parameter that is frozen (``requires_grad=False``) but whose
             module also owns low-precision parameters (a router's correction bias, say) is left
-            out of FSDP2 and replicated in FP32 instead of refused. Trainable ones are always
-            refused: FSDP2 would not reduce their gradients.
+            out of FSDP2 and replicated in FP32 instead of refused; so is a frozen kept module
+            read without a call. Trainable ones are refused: FSDP2 would not reduce their
+            gradients.
 
     Raises:
         KeepLayoutError: naming every offending parameter and the reason.
     """
     grouping = _kept_grouping(group_kept)
-    below = _float_param_names(model)
+    below = float_param_names(model)
     modules = dict(model.named_modules(remove_duplicate=False))
-    kept = _kept_modules(model, plan, below)
+    is_target = _wrap_predicate(model, wrap)
+    selection = kept_modules(model, plan, below, is_target)
+    kept = selection.top
     inside_kept = tuple(kept)
 
     def under_kept(fqn: str) -> bool:
         return any(fqn == k or fqn.startswith(k + ".") or k == "" for k in inside_kept)
 
-    is_target = _wrap_predicate(model, wrap)
+    taken = set(selection.owners) | set(selection.owner_children)
     standard = [
-        fqn for fqn, module in modules.items() if fqn and not under_kept(fqn) and is_target(module)
+        fqn
+        for fqn, module in modules.items()
+        if fqn and not under_kept(fqn) and fqn not in taken and is_target(module)
     ]
     units: list[Unit] = []
     unit_of_module: dict[str, int] = {}
@@ -253,7 +220,7 @@ def plan_layout(
         depth = max(_depth(fqn) for fqn in fqns)
         units.append(Unit(kind, tuple(fqns), depth, stays_gathered))
 
-    for fqn in standard:
+    for fqn in standard + selection.owner_children:
         add("standard", [fqn])
     if "" not in kept:
         add("root", [""])
@@ -268,9 +235,18 @@ def plan_layout(
     else:
         for fqn in kept:
             add("kept", [fqn])
+    # Never grouped: an owner is sharded after its children's units, a nested unit before the
+    # kept unit around it; a group spanning depths would claim their parameters first.
+    for fqn in selection.owners + selection.nested:
+        add("kept", [fqn])
 
     owner, replicated, problems = _assign_and_validate(
-        model, plan, units, unit_of_module, replicate_frozen
+        model,
+        plan,
+        units,
+        lambda module_fqn: _innermost(unit_of_module, module_fqn),
+        replicate_frozen=replicate_frozen,
+        read_directly=selection.read_directly,
     )
     if problems:
         raise KeepLayoutError(problems, model_name=type(model).__name__)
@@ -279,48 +255,77 @@ def plan_layout(
     return Layout(tuple(ordered), owner, tuple(replicated))
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _read_covering(reads: Sequence[DirectRead], module_fqn: str) -> DirectRead | None:
+    for read in reads:
+        if module_fqn == read.module_fqn or module_fqn.startswith(read.module_fqn + "."):
+            return read
+    return None
+
+
 def _assign_and_validate(
     model: nn.Module,
     plan: KeepPlan,
-    units: list[Unit],
-    unit_of_module: dict[str, int],
+    units: Sequence[Unit],
+    innermost: Callable[[str], int],
+    *,
     replicate_frozen: bool,
+    read_directly: Sequence[DirectRead] = (),
 ) -> tuple[dict[str, str], list[str], list[LayoutProblem]]:
+    """``(owner, replicated, problems)``: the unit label of every parameter name, the kept
+    frozen parameters left out of FSDP2, and every problem found (empty when the layout holds).
+
+    ``innermost(module_fqn)`` is the index in ``units`` of the innermost unit around a module.
+    """
     problems: list[LayoutProblem] = []
     unit_of_param: dict[int, set[int]] = defaultdict(set)
     names_of_param: dict[int, list[str]] = defaultdict(list)
+    module_of_param: dict[int, str] = {}
     params: dict[int, nn.Parameter] = {}
+    # What each module owns directly that the plan does not keep: the truth a mixed-unit
+    # refusal must state.
+    not_kept_owned: dict[str, list[str]] = defaultdict(list)
     for module_fqn, _, attribute, tensor, is_param in iter_owned(model):
         if not is_param or not is_castable_float(tensor.dtype):
             continue
         key = id(tensor)
+        name = join(module_fqn, attribute)
         params[key] = tensor  # type: ignore[assignment]
-        names_of_param[key].append(join(module_fqn, attribute))
-        unit_of_param[key].add(_innermost(unit_of_module, module_fqn))
+        names_of_param[key].append(name)
+        module_of_param.setdefault(key, module_fqn)
+        unit_of_param[key].add(innermost(module_fqn))
+        if name not in plan.param_names:
+            not_kept_owned[module_fqn].append(f"{attribute} ({_dtype_name(tensor.dtype)})")
 
     owner: dict[str, str] = {}
     replicated: list[str] = []
     members: dict[int, list[int]] = defaultdict(list)
     flagged: set[int] = set()
+    low = _dtype_name(plan.dtype)
     for key, unit_indices in unit_of_param.items():
         names = names_of_param[key]
         kept = any(name in plan.param_names for name in names)
         first = names[0]
+        dtype = params[key].dtype
         if len(unit_indices) > 1:
             labels = sorted(units[index].label for index in unit_indices)
             problems.append(
                 LayoutProblem(
                     first,
                     "tied-across-units",
-                    f"its tied names {names} fall in different FSDP units {labels}; FSDP2 "
-                    "manages a parameter in one unit only. Wrap a common ancestor of all its "
-                    "owners as one unit (wrap=...), or untie the weights.",
+                    f"({_dtype_name(dtype)}{', kept' if kept else ''}) its tied names {names} "
+                    f"fall in different FSDP units {labels}; FSDP2 manages a parameter in one "
+                    "unit only. Wrap a common ancestor of all its owners as one unit (wrap=...), "
+                    "or untie the weights.",
                 )
             )
             continue
         index = next(iter(unit_indices))
         unit = units[index]
-        frozen_fp32 = not params[key].requires_grad and params[key].dtype == torch.float32
+        frozen_fp32 = not params[key].requires_grad and dtype == torch.float32
         if kept and unit.kind != "kept" and frozen_fp32 and replicate_frozen:
             for name in names:
                 owner[name] = "<replicated>"
@@ -332,50 +337,110 @@ def _assign_and_validate(
         if not kept:
             continue
         count_before = len(problems)
-        dtype = params[key].dtype
         if dtype != torch.float32:
             problems.append(
                 LayoutProblem(
                     first,
                     "degraded",
-                    f"is kept by the plan but stored as {dtype} before wrapping; cast with "
-                    "fp32keep.keep_aware_cast(model, dtype) instead of model.to(dtype), or load "
-                    "the checkpoint again.",
+                    f"is kept by the plan but stored as {_dtype_name(dtype)} before wrapping; "
+                    "cast with fp32keep.keep_aware_cast(model, dtype) instead of "
+                    "model.to(dtype), or load the checkpoint again.",
                 )
             )
-        if unit.kind == "root":
+        module_fqn = module_of_param[key]
+        read = _read_covering(read_directly, module_fqn)
+        if read is not None and unit.kind != "kept":
+            problems.append(_read_problem(first, read, unit.label, replicate_frozen, low))
+        elif unit.kind == "root":
             problems.append(
                 LayoutProblem(
                     first,
                     "root-owned",
-                    f"is kept but owned directly by the root module ({plan.model_name}), whose "
-                    "unit also holds low-precision parameters and is all-gathered in the "
-                    "policy's param_dtype. FSDP2 cannot give it a unit of its own; move it "
-                    "into a submodule, or train without a low-precision param_dtype.",
+                    f"is kept (float32) but owned directly by the root module "
+                    f"({plan.model_name}). The root is sharded last with the caller's policy, "
+                    f"as the model's own boundary, so its parameters are all-gathered in the "
+                    f"policy's param_dtype (the plan is for {low}). Fix: move it into a "
+                    "submodule, freeze it (frozen kept parameters are replicated), or train "
+                    "without a low-precision param_dtype.",
                 )
             )
         elif unit.kind == "standard":
-            problems.append(
-                LayoutProblem(
-                    first,
-                    "mixed-unit",
-                    f"is kept but would share unit {unit.label!r} with low-precision "
-                    "parameters, which FSDP2 all-gathers in the policy's param_dtype. Its owning "
-                    "module also owns parameters that are not kept, so it cannot be a unit of "
-                    "its own; declare the whole module kept, split the parameter into a "
-                    "module of its own, or freeze it (frozen kept parameters are replicated).",
-                )
-            )
+            problems.append(_mixed_problem(first, model, module_fqn, unit.label, not_kept_owned))
         if len(problems) > count_before:
             flagged.add(key)
 
+    problems += _mixed_dtype_problems(units, members, params, names_of_param, flagged)
+    return owner, replicated, problems
+
+
+def _read_problem(
+    fqn: str, read: DirectRead, unit_label: str, replicate_frozen: bool, low: str
+) -> LayoutProblem:
+    remedy = (
+        "freeze it (requires_grad_(False): frozen kept modules read this way are replicated "
+        "whole on every rank)"
+        if replicate_frozen
+        else "upgrade torch (fully_shard(ignored_params=...) replicates it when frozen)"
+    )
+    return LayoutProblem(
+        fqn,
+        "read-not-called",
+        f"is kept (float32) in module {read.module_fqn!r}, which {read.reader} reads directly "
+        f"({read.expression}) without calling it: FSDP2 all-gathers a unit in its forward hook, "
+        "so as a unit of its own it would never be gathered (the first forward fails with "
+        "'mixed torch.Tensor and DTensor'), and inside "
+        f"{unit_label!r} it would be all-gathered in the policy's param_dtype ({low}). "
+        f"Trainable, it cannot be kept: {remedy}.",
+    )
+
+
+def _mixed_problem(
+    fqn: str,
+    model: nn.Module,
+    module_fqn: str,
+    unit_label: str,
+    not_kept_owned: dict[str, list[str]],
+) -> LayoutProblem:
+    module = model.get_submodule(module_fqn)
+    others = not_kept_owned.get(module_fqn, [])
+    if others:
+        why = (
+            f"its module {module_fqn!r} ({type(module).__name__}) also directly owns "
+            f"parameters the plan does not keep: {', '.join(others[:4])}"
+            f"{' …' if len(others) > 4 else ''}; FSDP2 puts a module's own parameters in one "
+            "unit, so they cannot be split"
+        )
+        remedy = "declare the whole module kept, move the parameter into a module of its own"
+    else:
+        why = (
+            f"its module {module_fqn!r} ({type(module).__name__}) has no forward of its own, "
+            "so FSDP2's hooks on it would never run"
+        )
+        remedy = "move the parameter into a module that is called"
+    return LayoutProblem(
+        fqn,
+        "mixed-unit",
+        f"is kept (float32) but would be all-gathered with unit {unit_label!r} in the policy's "
+        f"param_dtype: {why}. Fix: {remedy}, or freeze it (frozen kept parameters are "
+        "replicated).",
+    )
+
+
+def _mixed_dtype_problems(
+    units: Sequence[Unit],
+    members: dict[int, list[int]],
+    params: dict[int, nn.Parameter],
+    names_of_param: dict[int, list[str]],
+    flagged: set[int],
+) -> list[LayoutProblem]:
+    problems: list[LayoutProblem] = []
     for index, keys in members.items():
         trainable = [key for key in keys if params[key].requires_grad]
         dtypes = Counter(params[key].dtype for key in trainable)
         if len(dtypes) < 2:
             continue
         majority = dtypes.most_common(1)[0][0]
-        found = ", ".join(f"{count} {dtype}" for dtype, count in dtypes.most_common())
+        found = ", ".join(f"{count} {_dtype_name(dtype)}" for dtype, count in dtypes.most_common())
         for key in trainable:
             if params[key].dtype == majority or key in flagged:
                 continue
@@ -383,12 +448,12 @@ def _assign_and_validate(
                 LayoutProblem(
                     names_of_param[key][0],
                     "mixed-dtype-unit",
-                    f"is stored as {params[key].dtype} in unit {units[index].label!r}, which "
-                    f"holds trainable parameters of several dtypes ({found}); FSDP2 would fail "
-                    "on the first forward with 'FSDP expects uniform original parameter dtype'. "
-                    "Store FP32 master weights with fp32keep.upcast_to_fp32_master(model), or "
-                    "declare the FP32 modules in _keep_in_fp32_modules(_strict) so they get "
-                    "units of their own.",
+                    f"is stored as {_dtype_name(params[key].dtype)} in unit "
+                    f"{units[index].label!r}, which holds trainable parameters of several dtypes "
+                    f"({found}); FSDP2 would fail on the first forward with 'FSDP expects "
+                    "uniform original parameter dtype'. Store FP32 master weights with "
+                    "fp32keep.upcast_to_fp32_master(model), or declare the FP32 modules in "
+                    "_keep_in_fp32_modules(_strict) so they get units of their own.",
                 )
             )
-    return owner, replicated, problems
+    return problems

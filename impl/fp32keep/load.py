@@ -11,8 +11,9 @@ peer waiting for the process-group timeout:
    meta tensors that nothing would initialise are refused from the agreed data;
 3. materialise: meta tensors (and only those) get storage; ``init_buffers`` runs where needed;
    every rank reports how that went and which shards it can receive in place;
-4. move (:mod:`fp32keep.load_move`): sharded tensors travel as each rank's own dim-0 shards,
-   replicated ones by broadcast. The destination dtype always wins.
+4. move (:mod:`fp32keep.load_move`): sharded tensors travel as each rank's own block (from the
+   boxes gathered in step 1: any mesh FSDP2 builds, any ``Shard`` dim), replicated ones by
+   broadcast. The destination dtype always wins.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fp32keep.errors import StateDictError
-from fp32keep.load_move import Target, collect_targets, move, scatters_directly
+from fp32keep.load_move import Target, collect_targets, cut_evenly, move, scatters_directly
 from fp32keep.load_validate import (
     Report,
     Verdict,
@@ -41,7 +42,7 @@ from fp32keep.load_validate import (
 
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
 DIRECT_BYTES = 1024 * 1024
-"""Shards at least this large (per rank) of evenly splitting tensors are scattered alone."""
+"""Shards at least this large (per rank) of tensors cut into equal row runs are scattered alone."""
 
 InitBuffers = Callable[[nn.Module], object]
 """Re-creates non-persistent buffers that no rank can send; called with the model."""
@@ -100,12 +101,13 @@ def _local_report(
         )
     if problem is None:
         try:
-            targets = collect_targets(model, world)
+            targets = collect_targets(model)
         except NotImplementedError as exc:
             problem = NotImplementedError, str(exc)
     meta = bytes(int(t.local.is_meta) for t in targets)
     holds = state_dict is not None
-    report = Report(problem, holds, arguments, fingerprint(targets), meta)
+    boxes = tuple(t.box for t in targets)
+    report = Report(problem, holds, arguments, fingerprint(targets), meta, boxes)
     return report, targets
 
 
@@ -158,7 +160,7 @@ def _prepare(
     src_rank: int,
 ) -> _Prepared:
     """Materialise, run ``init_buffers`` where needed; never raises (the ranks agree next)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     needed = [
         i
         for i, t in enumerate(targets)
@@ -167,7 +169,7 @@ def _prepare(
     try:
         if any(reports[rank].meta):
             _materialize_meta(model, device)
-            targets = collect_targets(model, world)  # materialising replaced local tensors
+            targets = collect_targets(model)  # materialising replaced local tensors
         if needed and init_buffers is not None:
             before = {i: (targets[i].local, targets[i].local._version) for i in needed}
             layout = fingerprint(targets)
@@ -176,7 +178,7 @@ def _prepare(
             except Exception as exc:
                 problem = f"init_buffers raised on rank {rank}: {_describe(exc)}"
                 return _Prepared(targets, problem, exc)
-            targets = collect_targets(model, world)
+            targets = collect_targets(model)
             if fingerprint(targets) != layout:
                 problem = (
                     f"init_buffers changed the model on rank {rank} (names, shapes or dtypes); "
@@ -192,7 +194,7 @@ def _prepare(
                     f"{list(unwritten)}; it must fill (or re-register) every one of them"
                 )
                 return _Prepared(targets, problem, unwritten=unwritten)
-        mask = bytes(int(scatters_directly(t, world, device, direct_bytes)) for t in targets)
+        mask = bytes(int(scatters_directly(t, device, direct_bytes)) for t in targets)
     except Exception as exc:  # out of memory while materialising, for one
         problem = f"preparing the model raised on rank {rank}: {_describe(exc)}"
         return _Prepared(targets, problem, exc)
@@ -268,11 +270,22 @@ def load_full_state_dict(
       (Transformers' own ``_init_weights`` re-creates rotary buffers from 5.0 on but not in 4.x,
       and re-initialises parameters of the modules it visits, so the loader does not call it.)
 
-    Each rank receives only its own dim-0 shards. A shard of at least ``direct_bytes`` whose
-    tensor splits evenly over the ranks is scattered straight into place (asynchronously, at
-    most ``bucket_bytes`` per rank in flight, no packing on either side); the rest are coalesced
-    into buckets of at most ``bucket_bytes`` per rank. A non-source rank never holds more than
-    its shards plus one bucket. Every collective is bounded by the process group's timeout.
+    Any mesh FSDP2 shards over is served: a 1-D mesh over the process group, HSDP's 2-D
+    replicate x shard mesh, a sub-mesh of a larger world (``mesh["dp"]`` of a DP x TP mesh), and
+    ``Shard(d)`` placements on any dim from a ``shard_placement_fn``. Each rank reports the
+    block of every tensor its own mesh coordinate gives it, and receives exactly that block
+    (every replica of a shard gets it) from ``src_rank`` over the default process group, so
+    every rank of the world takes part. Tensor-parallel placements (``Partial``, strided shards)
+    raise ``NotImplementedError`` on every rank before anything moves.
+
+    A block of at least ``direct_bytes`` that is a run of whole dim-0 rows, of one size on
+    every rank, is scattered straight into place (asynchronously, no packing on either side;
+    the inputs are views of the caller's tensors, and at most ``bucket_bytes`` of converted
+    copies are alive when the dtype differs); the rest are coalesced into buckets of at most
+    ``bucket_bytes`` summed over every destination. The source rank's extra memory is therefore
+    about one bucket plus one tensor, whatever the world size; a non-source rank never holds
+    more than its shards plus one bucket. Every collective is bounded by the process group's
+    timeout.
 
     Returns:
         The missing and unexpected keys (empty after a strict load).
@@ -325,7 +338,13 @@ def load_full_state_dict(
     ]
     present = [i for i, key in enumerate(verdict.sources) if key is not None] + sent
     keep = frozenset(i for i in sent if not own_meta[i])  # real here: never overwritten
-    direct = [i for i in present if all(mask[i] for _, _, mask in outcomes)]  # agreed
+    boxes = [report.boxes for report in reports]
+    direct = [  # agreed: every rank can receive in place, every block is one size
+        i
+        for i in present
+        if all(mask[i] for _, _, mask in outcomes)
+        and cut_evenly(targets[i], [blocks[i] for blocks in boxes])
+    ]
 
     def source(index: int) -> torch.Tensor:
         value = values[index] if targets[index].persistent else targets[index].local
@@ -338,9 +357,9 @@ def load_full_state_dict(
         direct,
         source,
         keep,
+        boxes,
         rank=rank,
         src_rank=src_rank,
-        world=len(reports),
         device=device,
         bucket_bytes=bucket_bytes,
     )

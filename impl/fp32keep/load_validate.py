@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fp32keep.errors import StateDictError
-from fp32keep.load_move import Target
+from fp32keep.load_move import Box, Target
 
 #: The argument names whose values every rank must pass alike, in the order reports carry them.
 AGREED_ARGUMENTS = ("src_rank", "strict", "cpu_offload", "bucket_bytes", "direct_bytes")
@@ -35,6 +35,7 @@ class Report:
         arguments: the values of :data:`AGREED_ARGUMENTS` and whether ``init_buffers`` is given.
         fingerprint: the model's names, shapes, dtypes and layout, hashed.
         meta: one byte per target, 1 where this rank's tensor is on the meta device.
+        boxes: per target, this rank's block of the full tensor (from its mesh coordinate).
     """
 
     problem: tuple[type[Exception], str] | None
@@ -42,6 +43,7 @@ class Report:
     arguments: tuple[object, ...]
     fingerprint: str
     meta: bytes
+    boxes: tuple[Box, ...] = ()
 
 
 def fingerprint(targets: Sequence[Target]) -> str:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from importlib import metadata
 from types import MappingProxyType
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,7 +21,7 @@ from fp32keep.compat import (
     semantics_for,
 )
 from fp32keep.errors import KeepDeclarationError
-from fp32keep.tensors import TensorSlot, check_float_dtype, is_castable_float, tensor_slots
+from fp32keep.tensors import TensorSlot, check_float_dtype, is_castable_float, join, tensor_slots
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ class KeepPlan:
         buffer_names: FQNs of kept floating buffers, all aliases.
         matches: for every kept FQN, the entry and list that caught it.
         model_name: the class name of the model, for messages.
+        declared_by: the prefixes of the modules whose declarations were read (``""``: the
+            model itself; ``"pretrained_model"``: a wrapper's Transformers model).
     """
 
     dtype: torch.dtype
@@ -64,6 +69,7 @@ class KeepPlan:
     buffer_names: frozenset[str]
     matches: Mapping[str, KeepMatch] = field(repr=False)
     model_name: str = "model"
+    declared_by: tuple[str, ...] = ("",)
 
     @property
     def names(self) -> frozenset[str]:
@@ -91,6 +97,8 @@ class KeepPlan:
             "name(s) kept in FP32"
         )
         lines = [header]
+        if self.declared_by not in ((), ("",)):
+            lines.append(f"  declarations read from: {list(self.declared_by)}")
         lines.append(f"  regular entries applied: {list(self.regular_entries)}")
         lines.append(f"  strict entries applied:  {list(self.strict_entries)}")
         if self.is_empty:
@@ -119,22 +127,118 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _installed_group() -> str | None:
+    # Without Transformers installed no post_init ran: the class-level reading is the truth.
+    try:
+        return installed_semantics().group
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _declares(module: nn.Module) -> bool:
+    # Declared on the class (any base, PreTrainedModel's ``None`` included) or set on the instance;
+    # attribute forwarding (PEFT's ``__getattr__``) does not count: the forwarded lists belong to
+    # the wrapped model, and are read there, under its own names.
+    attributes = (REGULAR_ATTR, STRICT_ATTR)
+    if any(attribute in vars(module) for attribute in attributes):
+        return True
+    return any(
+        attribute in vars(klass) for klass in type(module).__mro__ for attribute in attributes
+    )
+
+
+def _declaring_roots(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The topmost modules that carry keep declarations, with their prefixes.
+
+    ``model`` itself when it declares (a Transformers model, or any module with the attributes);
+    otherwise the topmost declaring submodules of a wrapper (a value-head model, a critic, PEFT's
+    ``PeftModel``), each resolved under its own names as ``from_pretrained`` would resolve it.
+    """
+    if _declares(model):
+        return [("", model)]
+    roots: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            fqn = join(prefix, name)
+            if _declares(child):
+                roots.append((fqn, child))
+            else:
+                visit(fqn, child)
+
+    visit("", model)
+    return roots or [("", model)]
+
+
+def _class_level(module: nn.Module, attribute: str) -> Any:
+    """The declaration as the class wrote it (via the MRO), not what a ``post_init`` rewrote."""
+    for klass in type(module).__mro__:
+        if attribute in vars(klass):
+            return vars(klass)[attribute]
+    return None
+
+
+def _is_transformers_model(module: nn.Module) -> bool:
+    # Only PreTrainedModels run post_init; checked by name so that the plan never imports
+    # Transformers.
+    return any(klass.__name__ == "PreTrainedModel" for klass in type(module).__mro__)
+
+
+def _post_init_lists(module: nn.Module, attribute: str) -> list[str]:
+    """What 5.1+'s ``post_init`` leaves in ``attribute``, rebuilt from class-level declarations.
+
+    Its own class list, then every direct child's runtime value: a PreTrainedModel child's own
+    ``post_init`` result (recursively), a plain module's class attribute when it has one. A plain
+    module between two models therefore breaks the chain, as it does in Transformers.
+    """
+    entries = _class_entries(module, attribute)
+    for child in module.children():
+        if _is_transformers_model(child):
+            entries += _post_init_lists(child, attribute)
+        else:
+            entries += _class_entries(child, attribute)
+    return list(dict.fromkeys(entries))
+
+
+def _class_entries(module: nn.Module, attribute: str) -> list[str]:
+    value = _class_level(module, attribute)
+    if isinstance(value, str):
+        raise KeepDeclarationError(
+            f"{type(module).__name__}.{attribute}: a keep-in-fp32 declaration is the string "
+            f"{value!r}; declare a list of module names instead, e.g. [{value!r}]"
+        )
+    return [str(entry) for entry in (value or ())]
+
+
 def _declared_entries(
-    model: nn.Module, semantics: KeepSemantics
+    model: nn.Module, semantics: KeepSemantics, *, runtime: bool
 ) -> Iterator[tuple[ListKind, tuple[str, ...]]]:
-    # The top model's runtime attributes are what `from_pretrained` reads in every version; in
-    # 5.1+ `post_init` has already folded nested models' lists into them, in 4.x it has not.
-    # 5.0.0 loads with the `dtype_plan` frozen at __init__ instead, when the model has one.
+    # With the installed release's semantics (runtime=True) the top model's runtime attributes
+    # are what `from_pretrained` reads: in 5.1+ `post_init` has already folded nested models'
+    # lists into them (as sets), in 4.x it has not. Another release's rules (the what-if) must
+    # start from the class-level declarations instead and redo that release's post_init: 5.10's
+    # sets would otherwise be ignored by 5.0.0's lists-only rule (T5 would keep nothing).
+    # 5.0.0 loads with the `dtype_plan` frozen at __init__, when the model has one.
     dtype_plan = getattr(model, "dtype_plan", None)
     if semantics.reads_dtype_plan and isinstance(dtype_plan, dict):
-        strict = getattr(model, STRICT_ATTR, None) or ()
+        strict_declared = (
+            getattr(model, STRICT_ATTR, None) if runtime else _class_level(model, STRICT_ATTR)
+        )
+        strict = strict_declared or ()
         planned = [str(entry) for entry, dtype in dtype_plan.items() if dtype == torch.float32]
         yield "regular", tuple(e for e in planned if e not in strict)
         yield "strict", tuple(e for e in planned if e in strict)
         return
     for kind, attribute in (("regular", REGULAR_ATTR), ("strict", STRICT_ATTR)):
+        value: object
+        if runtime:
+            value = getattr(model, attribute, None)
+        elif semantics.group == "C" and _is_transformers_model(model):
+            value = _post_init_lists(model, attribute)
+        else:
+            value = _class_level(model, attribute)
         try:
-            entries = semantics.declared(getattr(model, attribute, None))
+            entries = semantics.declared(value)
         except KeepDeclarationError as error:
             raise KeepDeclarationError(f"{type(model).__name__}.{attribute}: {error}") from None
         if entries is not None:
@@ -166,10 +270,25 @@ def resolve_keep_plan(
 ) -> KeepPlan:
     """Decide which floating tensors of ``model`` stay in FP32 when it runs in ``dtype``.
 
-    Applies the installed Transformers version's own rules (dtype gates, match rule, entry
-    validation, nested declarations, tuple/set declarations; see :mod:`fp32keep.compat`) to the
-    ``_keep_in_fp32_modules`` and ``_keep_in_fp32_modules_strict`` attributes of ``model``, which
-    may be any ``nn.Module`` carrying them.
+    Applies one Transformers version's own rules (dtype gates, match rule, entry validation,
+    nested declarations, tuple/set declarations; see :mod:`fp32keep.compat`) to the
+    ``_keep_in_fp32_modules`` and ``_keep_in_fp32_modules_strict`` declarations.
+
+    Where the declarations are read:
+
+    * ``model`` itself when it carries them (a Transformers model, or any ``nn.Module`` with the
+      attributes on its class or instance);
+    * otherwise, for a wrapper (a value-head model, a critic, PEFT's ``PeftModel``), the topmost
+      declaring submodules: each one's entries are matched against the names *under* it, as
+      ``from_pretrained`` matched them when it loaded that model, and the plan lists the full
+      names under the wrapper. A wrapper's own attribute names never match an entry.
+
+    With the installed release's rules (``transformers_version`` omitted, or a release of the
+    same behaviour group) the runtime attributes are read, which is what that ``from_pretrained``
+    reads. With another group's rules (the what-if) the class-level declarations are read through
+    the MRO and that release's ``post_init`` is replayed (5.1+: children's lists folded in), so
+    what the installed ``post_init`` rewrote (5.1+ turns lists into sets, which 5.0.0 ignores)
+    does not leak into the answer. An instance-level declaration is then not read.
 
     Args:
         model: the model, on any device (meta included). It is not modified.
@@ -188,24 +307,33 @@ def resolve_keep_plan(
         TypeError / ValueError: ``dtype`` is not a floating torch dtype.
     """
     check_float_dtype(dtype, what="dtype")
-    semantics = (
-        installed_semantics()
-        if transformers_version is None
-        else semantics_for(transformers_version)
-    )
+    if transformers_version is None:
+        semantics, runtime = installed_semantics(), True
+    else:
+        semantics = semantics_for(transformers_version)
+        runtime = semantics.group == _installed_group()
     regular: list[str] = []
     strict: list[str] = []
-    for kind, entries in _declared_entries(model, semantics):
-        if semantics.validates_entries:
-            _validate_segments(model, kind, entries)
-        if semantics.applies(kind, dtype):
-            (regular if kind == "regular" else strict).extend(entries)
-    # 5.x builds a dict keyed by entry (regular first), so a duplicate keeps its first place.
-    ordered: dict[str, ListKind] = dict.fromkeys(regular, "regular")
-    for entry in strict:
-        ordered.setdefault(entry, "strict")
+    scopes: list[_Scope] = []
+    roots = _declaring_roots(model)
+    for prefix, root in roots:
+        root_regular: list[str] = []
+        root_strict: list[str] = []
+        for kind, entries in _declared_entries(root, semantics, runtime=runtime):
+            if semantics.validates_entries:
+                _validate_segments(root, kind, entries)
+            if semantics.applies(kind, dtype):
+                (root_regular if kind == "regular" else root_strict).extend(entries)
+        # 5.x builds a dict keyed by entry (regular first), so a duplicate keeps its first place.
+        ordered: dict[str, ListKind] = dict.fromkeys(root_regular, "regular")
+        for entry in root_strict:
+            ordered.setdefault(entry, "strict")
+        if ordered:
+            scopes.append(_Scope.build(prefix, ordered, semantics, type(root).__name__))
+        regular += root_regular
+        strict += root_strict
     slots = tensor_slots(model)
-    matches = _match(slots, semantics, ordered, owner=type(model).__name__)
+    matches = _match(slots, scopes)
     param_names = frozenset(
         n for slot in slots if slot.is_param for n in slot.names if n in matches
     )
@@ -222,28 +350,58 @@ def resolve_keep_plan(
         buffer_names=buffer_names,
         matches=MappingProxyType(matches),
         model_name=type(model).__name__,
+        declared_by=tuple(prefix for prefix, _ in roots),
     )
 
 
-def _match(
-    slots: list[TensorSlot], semantics: KeepSemantics, ordered: dict[str, ListKind], *, owner: str
-) -> dict[str, KeepMatch]:
-    if not ordered:
+@dataclass(frozen=True)
+class _Scope:
+    """One declaring module's compiled entries, matched against the names under ``prefix``."""
+
+    prefix: str
+    ordered: dict[str, ListKind]
+    alternation: re.Pattern[str]
+    per_entry: dict[str, re.Pattern[str]]
+
+    @classmethod
+    def build(
+        cls, prefix: str, ordered: dict[str, ListKind], semantics: KeepSemantics, owner: str
+    ) -> _Scope:
+        return cls(
+            prefix,
+            ordered,
+            semantics.compile(list(ordered), owner=owner),
+            {entry: semantics.compile([entry], owner=owner) for entry in ordered},
+        )
+
+    def relative(self, name: str) -> str | None:
+        """``name`` as the declaring module sees it, or None when it lies outside it."""
+        if not self.prefix:
+            return name
+        return name.removeprefix(self.prefix + ".") if name.startswith(self.prefix + ".") else None
+
+
+def _match(slots: list[TensorSlot], scopes: list[_Scope]) -> dict[str, KeepMatch]:
+    if not scopes:
         return {}
-    alternation = semantics.compile(list(ordered), owner=owner)
-    per_entry = {entry: semantics.compile([entry], owner=owner) for entry in ordered}
     matches: dict[str, KeepMatch] = {}
     for slot in slots:
         if not is_castable_float(slot.tensor.dtype):
             continue
         direct: dict[str, KeepMatch] = {}
         for name in slot.names:
-            # The alternation decides, exactly as Transformers searches it; the per-entry
-            # patterns only say which entry to credit.
-            if alternation.search(name) is None:
-                continue
-            entry = next((e for e, p in per_entry.items() if p.search(name)), "|".join(ordered))
-            direct[name] = KeepMatch(entry, ordered.get(entry, "regular"))
+            for scope in scopes:
+                relative = scope.relative(name)
+                # The alternation decides, exactly as Transformers searches it; the per-entry
+                # patterns only say which entry to credit.
+                if relative is None or scope.alternation.search(relative) is None:
+                    continue
+                entry = next(
+                    (e for e, p in scope.per_entry.items() if p.search(relative)),
+                    "|".join(scope.ordered),
+                )
+                direct[name] = KeepMatch(entry, scope.ordered.get(entry, "regular"))
+                break
         if not direct:
             continue
         first_name, first_match = next(iter(direct.items()))

@@ -45,6 +45,25 @@ def infer_low_precision_dtype(model: nn.Module, mp_policy: MixedPrecisionPolicy)
     return torch.float32
 
 
+def kept_unit_policy(mp_policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
+    """The policy of a kept unit: the caller's, minus everything that would change FP32 math.
+
+    * ``param_dtype=None``: all-gathered in the FP32 storage dtype, and (FSDP2 casts inputs only
+      to a ``param_dtype``) the module's inputs are not cast;
+    * ``output_dtype=None``: the module hands back what its own code makes (a kept router's FP32
+      logits under accelerate's ``output_dtype=bf16``), as it does unsharded;
+    * ``reduce_dtype``: kept when it is FP32 or wider, otherwise ``None`` (reduce-scatter in the
+      FP32 gradient dtype): FP32 gradients averaged in bf16 would lose their low bits;
+    * every other field (``cast_forward_inputs``) unchanged.
+    """
+    reduce_dtype = mp_policy.reduce_dtype
+    if reduce_dtype is not None and torch.finfo(reduce_dtype).bits < 32:
+        reduce_dtype = None
+    return dataclasses.replace(
+        mp_policy, param_dtype=None, reduce_dtype=reduce_dtype, output_dtype=None
+    )
+
+
 def _check_callable_state(model: nn.Module, mesh: DeviceMesh, mp_policy: object) -> None:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -100,16 +119,21 @@ def apply_fsdp2(
     Units, sharded children before parents:
 
     * kept units: the topmost modules whose floating parameters are all kept (containers with no
-      forward of their own resolve to their callable descendants), each sharded with
-      ``dataclasses.replace(mp_policy, param_dtype=None)``: all-gathered in FP32, activation
-      inputs not cast, every other field of the caller's policy kept;
+      forward of their own resolve to their callable descendants; wrap targets inside one are
+      kept units of their own, nested), and modules that directly own only kept parameters but
+      have children that are not kept (attention ``sinks``: the children get units with the
+      caller's policy first). Each is sharded with :func:`kept_unit_policy`: all-gathered in
+      FP32, inputs not cast, no ``output_dtype``, a ``reduce_dtype`` below FP32 dropped;
     * standard units: ``wrap`` (module classes, class names or a predicate; default: the classes
       named by the model's ``_no_split_modules``), minus anything inside a kept unit;
     * the root, with ``mp_policy``.
 
     A kept parameter that is frozen and whose module also owns parameters that are not kept (a
     router's correction bias) cannot get a unit of its own; it is left out of FSDP2
-    (``ignored_params``) and stays whole and FP32 on every rank (``Layout.replicated``).
+    (``ignored_params``) and stays whole and FP32 on every rank (``Layout.replicated``). So is a
+    frozen kept module that an ancestor reads without calling it (Voxtral's ``embed_positions``:
+    FSDP2 would never all-gather it); a trainable one is refused (``read-not-called``). Such reads
+    are found in the source of the ancestors' classes (:mod:`fp32keep.reads`).
 
     Args:
         model: the unsharded model, cast keep-aware (:func:`fp32keep.keep_aware_cast`).
@@ -150,7 +174,7 @@ def _shard(
     offload_policy: OffloadPolicy | None,
 ) -> None:
     modules = dict(model.named_modules(remove_duplicate=False))
-    kept_policy = dataclasses.replace(mp_policy, param_dtype=None)
+    kept_policy = kept_unit_policy(mp_policy)
     common: dict[str, Any] = {"mesh": mesh}
     # Older torch releases reject None for these; pass them only when the caller set them.
     if reshard_after_forward is not None:
@@ -165,3 +189,24 @@ def _shard(
         policy = kept_policy if unit.kind == "kept" else mp_policy
         options = dict(common, reshard_after_forward=False) if unit.stays_gathered else common
         fully_shard(targets if len(targets) > 1 else targets[0], mp_policy=policy, **options)
+    if layout.replicated:
+        _to_mesh_device(common["ignored_params"], mesh)
+
+
+def _to_mesh_device(params: set[nn.Parameter], mesh: DeviceMesh) -> None:
+    """Move replicated (ignored) parameters to the mesh's device, as FSDP2 moves its own.
+
+    ``fully_shard`` leaves ignored parameters where they are, so a model built on the CPU would
+    keep them there and fail at the first forward on CUDA. Moved in place (``.data``): the
+    ``Parameter`` objects, and so ties and optimizers, stay. A meta parameter stays meta: the
+    loader materialises it on the collective's device.
+    """
+    if mesh.device_type == "cpu":
+        device = torch.device("cpu")
+    else:
+        index = torch.get_device_module(mesh.device_type).current_device()
+        device = torch.device(mesh.device_type, index)
+    with torch.no_grad():
+        for param in params:
+            if not param.is_meta and param.device != device:
+                param.data = param.data.to(device)

@@ -1,11 +1,15 @@
 """``fp32keep check``: run the FP32-keep contract on the zoo or on your models, in N ranks.
 
     fp32keep check [TARGET ...] [--nproc N] [--dtype bf16,fp16] [--context autocast,direct]
-                   [--prefetch] [--batch MODULE:FUNCTION] [--report FILE.md]
+                   [--prefetch] [--master-dtype fp32] [--batch MODULE:FUNCTION] [--report FILE.md]
                    [--report-json FILE.json] [--timeout SECONDS]
 
 A TARGET is a zoo name (``fp32keep check --list`` shows them) or ``package.module:factory``, a
-zero-argument function returning an ``nn.Module``. Exit status: 0 when every case passes, 1 when
+zero-argument function returning an ``nn.Module``. ``--family NAME`` (repeatable; a folder under
+``transformers/models``) and ``--all-families`` add Transformers model families, built from
+automatically shrunk configs (:mod:`pytest_fp32keep.check.families`); a family that does not
+build is a ``not buildable (reason)`` note, not a crash; ``--list --all-families`` lists them with
+whether each builds. Exit status: 0 when every case passes, 1 when
 one does not, 2 for a usage error or a bad TARGET.
 
 Everything a user can get wrong on the command line (options, TARGETs, report paths) is found
@@ -35,6 +39,8 @@ from pytest_fp32keep.runner.processes import TorchrunProcess
 
 DTYPE_CHOICES = ("bf16", "fp16")
 CONTEXT_CHOICES = ("autocast", "direct")
+#: ``--master-dtype``: the storage convention the ranks judge (see ranks.MASTER_DTYPES).
+MASTER_DTYPE_CHOICES = ("fp32",)
 
 
 def _csv(choices: Sequence[str], option: str) -> Any:
@@ -141,6 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("--prefetch", action="store_true", help="also run with forward prefetch on")
     check.add_argument(
+        "--master-dtype",
+        choices=MASTER_DTYPE_CHOICES,
+        default=None,
+        help="judge FP32 master weights: every trainable parameter stored in FP32, the "
+        "policy's param_dtype casts for compute (accelerate, verl, torchtitan); default: "
+        "parameters that are not kept stored in --dtype",
+    )
+    check.add_argument(
         "--batch",
         metavar="MODULE:FUNCTION",
         help="function(model) -> batch for the package.module:factory TARGETs (zoo entries "
@@ -165,7 +179,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=1800,
         help="seconds before the ranks are killed (default 1800)",
     )
-    check.add_argument("--list", action="store_true", help="list the zoo entries and exit")
+    check.add_argument(
+        "--family",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also check the Transformers model family NAME (a folder under "
+        "transformers/models, e.g. t5), built from an automatically shrunk config; repeatable",
+    )
+    check.add_argument(
+        "--all-families",
+        action="store_true",
+        help="check every family of the installed Transformers that declares a keep list",
+    )
+    check.add_argument(
+        "--list",
+        action="store_true",
+        help="list the zoo entries and exit; with --family/--all-families, list those families "
+        "and whether each builds",
+    )
     check.set_defaults(usage_error=check.error)  # errors that need several options at once
     return parser
 
@@ -286,7 +318,12 @@ def _write_reports(args: argparse.Namespace, result: dict[str, Any]) -> str | No
 def check(args: argparse.Namespace, usage_error: UsageError) -> int:
     """Validate options and targets here, run every case in the ranks, print and write the
     report."""
-    from pytest_fp32keep.check.targets import TargetError, resolve_targets
+    from pytest_fp32keep.check.targets import (
+        TargetError,
+        family_spec,
+        family_targets,
+        resolve_targets,
+    )
 
     _validate_options(args, usage_error)
     # The ranks import a TARGET with the current directory on their path (``python -m`` and
@@ -294,21 +331,34 @@ def check(args: argparse.Namespace, usage_error: UsageError) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        targets, unavailable = resolve_targets(args.targets, args.batch)
+        families, not_buildable = _families(args)
+        targets, unavailable = (
+            resolve_targets(args.targets, args.batch)
+            if args.targets or not _families_asked(args)
+            else ([], {})
+        )
+        targets += family_targets(families)
     except TargetError as error:
         print(f"fp32keep check: error: {error}", file=sys.stderr)
         return 2
+    unavailable = {**unavailable, **not_buildable}
+    if not targets and not_buildable:  # families asked for, none builds: their rows, no ranks
+        for name, reason in not_buildable.items():
+            print(f"{name}: {reason}")
+        print(f"\n0 passed, 0 failed, {len(not_buildable)} not buildable")
+        return 1
     if not targets:
         print("fp32keep check: error: no target is available to check", file=sys.stderr)
         return 2
     width = terminal_width()
     progress = sys.stdout.isatty()
     spec = {
-        "targets": args.targets,
+        "targets": [*args.targets, *(family_spec(name) for name in families)],
         "batch": args.batch,
         "dtypes": args.dtype,
         "autocast": [context == "autocast" for context in args.context],
         "prefetch": [False, True] if args.prefetch else [False],
+        "master_dtype": args.master_dtype,
         "progress": progress,
         "width": width,
     }
@@ -344,9 +394,49 @@ def check(args: argparse.Namespace, usage_error: UsageError) -> int:
     return 1 if failed else 0
 
 
+def _families_asked(args: argparse.Namespace) -> bool:
+    return bool(args.family) or bool(args.all_families)
+
+
+def _families(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """The families asked for that build, and ``not buildable (reason)`` for the others.
+
+    Unknown names raise :class:`~pytest_fp32keep.check.targets.TargetError` before anything
+    is built; each family is built and run once, unsharded, to tell whether it builds.
+    """
+    if not _families_asked(args):
+        return [], {}
+    from pytest_fp32keep.check.families import keep_families
+    from pytest_fp32keep.check.targets import family_availability
+
+    names = list(keep_families()) if args.all_families else []
+    names = list(dict.fromkeys([*names, *args.family]))
+    buildable, unavailable = family_availability(names)
+    return buildable, dict(unavailable)
+
+
+def _list_families(args: argparse.Namespace) -> int:
+    """``--list`` with families: each family, its class, and whether it builds."""
+    from pytest_fp32keep.check.families import family_entry
+    from pytest_fp32keep.check.targets import TargetError
+
+    try:
+        buildable, unavailable = _families(args)
+    except TargetError as error:
+        print(f"fp32keep check: error: {error}", file=sys.stderr)
+        return 2
+    for name in buildable:
+        print(f"family/{name}  ({family_entry(name).notes.split()[0]}: builds)")
+    for name, reason in unavailable.items():
+        print(f"{name}  ({reason})")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fp32keep`` console script."""
     args = build_parser().parse_args(argv)
+    if args.list and _families_asked(args):
+        return _list_families(args)
     if args.list:
         from pytest_fp32keep.check.targets import zoo_targets
 

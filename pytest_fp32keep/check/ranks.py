@@ -48,6 +48,8 @@ from pytest_fp32keep.contract import CHECKS, ContractViolation, assert_fp32_keep
 from pytest_fp32keep.runner.processes import init_process_group_kwargs
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: ``--master-dtype``: absent (None) or ``fp32`` (FP32 master weights).
+MASTER_DTYPES = {None: None, "fp32": torch.float32}
 #: Python's and torch's global seed before each case.
 CASE_SEED = 0
 #: torch's warning (``torch/distributed/fsdp/_fully_shard/_fsdp_state.py``) that an FSDP2 unit
@@ -110,7 +112,12 @@ def _init() -> str:
 
 
 def _run_case(
-    target: Target, dtype_name: str, autocast: bool, prefetch: bool, device: str
+    target: Target,
+    dtype_name: str,
+    autocast: bool,
+    prefetch: bool,
+    device: str,
+    master_dtype: str | None = None,
 ) -> dict[str, Any]:
     # The same seed before every case on every rank: a --batch function that draws from the
     # global generators builds the same batch in every rank and every run (the model itself is
@@ -137,6 +144,7 @@ def _run_case(
             dtype=DTYPES[dtype_name],
             autocast=autocast,
             forward_prefetch=prefetch,
+            master_dtype=MASTER_DTYPES[master_dtype],
         )
     except KeepLayoutError as error:
         case["outcome"] = "refused"
@@ -190,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = []
     with ViewWarnings() as recorded:
         for index, run in enumerate(runs, start=1):
-            cases.append(_run_case(*run, device))
+            cases.append(_run_case(*run, device, spec.get("master_dtype")))
             if spec.get("progress") and dist.get_rank() == 0:
                 line = progress_line(index, len(runs), cases[-1], int(spec.get("width", 100)))
                 print(line, flush=True)

@@ -155,8 +155,8 @@ _MEANING = (
     "dtype when all-gathered",
     "activation dtypes at kept modules",
     "operators inside kept modules",
-    "logits and loss bit-identical to an unsharded reference, gradients too or within plain "
-    "FSDP2's own noise",
+    "logits and loss bit-identical to an unsharded reference, each gradient too or within what "
+    "the same units sharded correctly give (docs/contract.md)",
     "full-state-dict round trip",
 )
 

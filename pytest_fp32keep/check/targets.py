@@ -1,4 +1,10 @@
-"""What ``fp32keep check`` checks: built-in zoo entries or a user's ``package.module:factory``."""
+"""What ``fp32keep check`` checks: built-in zoo entries, Transformers families or a user's
+``package.module:factory``.
+
+A family (``--family NAME``) travels to the ranks as the TARGET ``family/NAME``
+(:data:`FAMILY_PREFIX`); the command probes every family before any rank starts
+(:func:`family_availability`) and sends only those that build.
+"""
 
 from __future__ import annotations
 
@@ -122,13 +128,76 @@ def zoo_targets(names: list[str] | None = None) -> tuple[list[Target], Mapping[s
     return targets, availability.unavailable
 
 
+#: How a family is named as a TARGET (``family/t5``): no ``:``, so never a ``module:factory``.
+FAMILY_PREFIX = "family/"
+
+
+def family_spec(name: str) -> str:
+    """The TARGET string of the family ``name``."""
+    return FAMILY_PREFIX + name
+
+
+def _check_families(names: list[str]) -> None:
+    from pytest_fp32keep.check.families import FamilyError, check_family_names
+
+    try:
+        check_family_names(names)
+    except FamilyError as error:
+        raise TargetError(str(error)) from None
+
+
+def family_availability(names: list[str]) -> tuple[list[str], Mapping[str, str]]:
+    """Which of the families ``names`` build here, and ``not buildable (reason)`` for the rest.
+
+    Each is built, fed its batch and run forward and backward once, unsharded
+    (:func:`~pytest_fp32keep.check.families.probe`); an unknown name is a :class:`TargetError`.
+    """
+    from pytest_fp32keep.check.families import probe
+
+    _check_families(names)
+    buildable, unavailable = [], {}
+    for name in names:
+        reason = probe(name).reason
+        if reason is None:
+            buildable.append(name)
+        else:
+            unavailable[family_spec(name)] = f"not buildable ({reason})"
+    return buildable, unavailable
+
+
+def family_targets(names: list[str]) -> list[Target]:
+    """The families ``names`` as targets (built lazily; the caller probed them)."""
+    from pytest_fp32keep.check.families import family_entry
+
+    _check_families(names)
+    targets = []
+    for name in names:
+        entry = family_entry(name)
+        targets.append(
+            Target(
+                family_spec(name),
+                entry.build,
+                partial(_zoo_batch, entry),
+                entry.expect_layout_error,
+            )
+        )
+    return targets
+
+
 def resolve_targets(
     specs: list[str], batch_spec: str | None = None
 ) -> tuple[list[Target], Mapping[str, str]]:
-    """Zoo names and ``module:factory`` specs → targets; no spec means the whole zoo."""
+    """Zoo names, ``family/NAME`` and ``module:factory`` specs → targets; no spec means the
+    whole zoo."""
     if not specs:
         return zoo_targets()
-    zoo_names = [spec for spec in specs if ":" not in spec]
+    families = [spec.removeprefix(FAMILY_PREFIX) for spec in specs if _is_family(spec)]
+    zoo_names = [spec for spec in specs if ":" not in spec and not _is_family(spec)]
     targets, unavailable = zoo_targets(zoo_names) if zoo_names else ([], {})
+    targets += family_targets(families)
     targets += [user_target(spec, batch_spec) for spec in specs if ":" in spec]
     return targets, unavailable
+
+
+def _is_family(spec: str) -> bool:
+    return spec.startswith(FAMILY_PREFIX) and ":" not in spec

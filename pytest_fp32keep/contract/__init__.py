@@ -13,19 +13,16 @@ script).
 """
 
 from pytest_fp32keep.contract.assertion import assert_fp32_keep_contract
-from pytest_fp32keep.contract.parity_policy import (
-    CONTROL_ERROR_LIMIT,
-    GRADIENT_NOISE_ULPS,
-    gradient_bound,
-)
+from pytest_fp32keep.contract.master import MASTER_DTYPES
+from pytest_fp32keep.contract.parity_policy import CONTROL_ERROR_LIMIT, gradient_bounds
 from pytest_fp32keep.contract.report import CHECKS, ContractReport, ContractViolation
 
 __all__ = [
     "CHECKS",
     "CONTROL_ERROR_LIMIT",
-    "GRADIENT_NOISE_ULPS",
+    "MASTER_DTYPES",
     "ContractReport",
     "ContractViolation",
     "assert_fp32_keep_contract",
-    "gradient_bound",
+    "gradient_bounds",
 ]

@@ -7,17 +7,18 @@ backward in both, in the same context, and checks every item of the contract in
 ``shared/docs/design.md``:
 
 * ``stored``: every kept tensor's local shard (or buffer) is FP32; every other tensor is stored
-  exactly as the reference stores it;
+  exactly as the reference stores it, or, under ``master_dtype=torch.float32`` (FP32 master
+  weights, :mod:`.master`), every trainable parameter in FP32;
 * ``materialized``: kept parameters are all-gathered in FP32; the others in what plain FSDP2
   gives them (the policy's ``param_dtype``);
 * ``boundary``: the activation input/output dtypes of every kept module (and, when the policy does
   not cast forward inputs, of every module) equal the reference's;
 * ``operators``: the operators run inside kept modules, with their dtypes, equal the reference's;
-* ``parity``: logits and loss bit-identical; every gradient bit-identical, or — when plain FSDP2
-  itself is not bit-identical on the same model (a control run measures it; T5's shared
-  position bias makes autograd accumulate in another order) — no further from the reference
-  than plain FSDP2 gets, or than two units of roundoff of the low-precision dtype, whichever is
-  larger: both runs carry accumulation-order noise of that size, in different places;
+* ``parity``: logits and loss bit-identical; every gradient bit-identical, or — where a control
+  with the implementation's own units, at the same world size, sharded with the correct policy
+  (:mod:`.control`) is not bit-identical for that parameter either (averaging over 3 ranks
+  rounds; T5's shared position bias makes autograd accumulate in another order) — no further
+  from the reference than the control is (``docs/contract.md`` gives the argument);
 * ``round trip``: loading a low-precision full state dict and gathering it back is exact, and the
   destination dtype wins for every alias.
 
@@ -26,8 +27,9 @@ framework can check its own wrapping, and so that known-wrong implementations (t
 controls) can prove the check fails.
 
 This module is the orchestrator only: it builds the two models, runs them (:mod:`.steps`), hands
-the runs to the checks (one module per family under :mod:`.checks`, the gradient noise bound in
-:mod:`.parity_policy`) and collects their findings into a :class:`~.report.ContractReport`.
+the runs to the checks (one module per family under :mod:`.checks`, the gradient bounds in
+:mod:`.parity_policy` from the control in :mod:`.control`) and collects their findings into a
+:class:`~.report.ContractReport`.
 """
 
 from __future__ import annotations
@@ -49,7 +51,9 @@ from pytest_fp32keep.contract.checks.boundary import check_boundary, check_opera
 from pytest_fp32keep.contract.checks.parity import check_parity
 from pytest_fp32keep.contract.checks.round_trip import check_round_trip
 from pytest_fp32keep.contract.checks.storage import check_materialized, check_stored
-from pytest_fp32keep.contract.parity_policy import control_error
+from pytest_fp32keep.contract.control import control_gradients, unit_layout
+from pytest_fp32keep.contract.master import as_master_grads, validate_master_dtype
+from pytest_fp32keep.contract.parity_policy import control_errors
 from pytest_fp32keep.contract.reference import build_unsharded_reference, seeded
 from pytest_fp32keep.contract.report import ContractReport, ContractViolation, Finding, KeptTensor
 from pytest_fp32keep.contract.steps import (
@@ -63,6 +67,7 @@ from pytest_fp32keep.contract.steps import (
     describe_context,
     device_of,
     forward_backward,
+    master_cast,
     set_prefetch,
     to_device,
 )
@@ -131,8 +136,7 @@ def _compare_runs(
     expected: Run,
     *,
     policy: MixedPrecisionPolicy,
-    dtype: torch.dtype,
-    control: Callable[[], Sequence[float]],
+    control: Callable[[], Mapping[str, float]],
 ) -> tuple[list[Finding], list[str], dict[str, str]]:
     """The materialized, boundary, operators and parity findings, the notes, and the dtype each
     parameter was all-gathered in."""
@@ -142,7 +146,7 @@ def _compare_runs(
         expected.probe, observed.probe, None if not policy.cast_forward_inputs else kept
     )
     findings += check_operators(expected.probe, observed.probe, kept)
-    parity, notes = check_parity(observed, expected, dtype, control)
+    parity, notes = check_parity(observed, expected, control)
     findings += parity
     return findings, notes, seen
 
@@ -181,16 +185,19 @@ def assert_fp32_keep_contract(
     cast: CastFn = default_cast,
     shard: ShardFn = default_shard,
     load: LoadFn = default_load,
+    master_dtype: torch.dtype | None = None,
 ) -> ContractReport:
     """Check the FP32-keep contract for one model; call it in every rank of ``mesh``.
 
     Args:
         model_factory: builds the model (FP32, unsharded) from scratch; called under ``seed``.
-        batch_factory: builds one batch from the (unsharded, FP32) model, e.g. reading its
-            config: a mapping of keyword arguments, a tuple of positional arguments, or one
-            tensor. Every rank must build the same batch.
+        batch_factory: builds one batch from the unsharded reference, already cast keep-aware
+            (kept tensors FP32, the others in ``dtype``, whatever ``master_dtype``), e.g. reading
+            its config or its dtype: a mapping of keyword arguments, a tuple of
+            positional arguments, or one tensor. Every rank must build the same batch.
         mesh: the 1-D data-parallel mesh (the ``fsdp2_mesh`` fixture).
-        dtype: the low-precision dtype: storage dtype of the tensors that are not kept.
+        dtype: the low-precision dtype: the compute dtype, and the storage dtype of the tensors
+            that are not kept (unless ``master_dtype`` says otherwise).
         autocast: run forward under ``torch.autocast(dtype=dtype)`` (else directly).
         forward_prefetch: let each FSDP2 unit prefetch the next one (and the previous in
             backward).
@@ -203,7 +210,13 @@ def assert_fp32_keep_contract(
             square of the logits (first floating output).
         check_state_dict: also check the full-state-dict round trip.
         seed: seed for building the model.
-        cast, shard, load: the implementation under test; default: ``fp32keep``'s.
+        cast, shard, load: the implementation under test; default: ``fp32keep``'s (under
+            ``master_dtype=torch.float32`` the default cast is keep-aware followed by
+            ``fp32keep.upcast_to_fp32_master``).
+        master_dtype: the storage convention judged: ``None`` (parameters the plan does not
+            keep stored in ``dtype``) or ``torch.float32`` (FP32 master weights: every
+            trainable parameter stored in FP32, the policy's ``param_dtype`` casts for compute;
+            gradients are expected in FP32). Kept tensors are judged the same way under both.
 
     Returns:
         The :class:`ContractReport` (every finding, passing ones included).
@@ -211,7 +224,12 @@ def assert_fp32_keep_contract(
     Raises:
         ContractViolation: an ``AssertionError`` whose message is a table of what broke, for
             which tensor, expected against observed.
+        ValueError: ``master_dtype`` is neither ``None`` nor ``torch.float32`` (raised before
+            anything is built).
     """
+    master_dtype = validate_master_dtype(master_dtype)
+    if cast is default_cast and master_dtype is not None:
+        cast = master_cast
     policy = mp_policy or MixedPrecisionPolicy(
         param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
     )
@@ -227,22 +245,28 @@ def assert_fp32_keep_contract(
         shard=shard,
     )
     batch = to_device(batch_factory(models.reference), models.device)
-    findings = check_stored(models.model, models.reference, models.plan)
+    findings = check_stored(models.model, models.reference, models.plan, master_dtype)
     observed, expected = _run_both(models, batch, autocast=autocast, dtype=dtype, loss_fn=loss_fn)
-    control = functools.partial(
-        control_error,
-        model_factory,
-        batch,
-        mesh=mesh,
-        dtype=dtype,
-        policy=policy,
-        wrap=wrap,
-        autocast=autocast,
-        loss_fn=loss_fn,
-        seed=seed,
-    )
+    expected.grads = as_master_grads(expected.grads, models.plan, master_dtype)
+
+    def control() -> dict[str, float]:
+        grads = control_gradients(
+            model_factory,
+            batch,
+            units=unit_layout(models.model),
+            mesh=mesh,
+            dtype=dtype,
+            master_dtype=master_dtype,
+            plan=models.plan,
+            policy=policy,
+            autocast=autocast,
+            loss_fn=loss_fn,
+            seed=seed,
+        )
+        return control_errors(grads, expected.grads)
+
     compared, notes, seen = _compare_runs(
-        models, observed, expected, policy=policy, dtype=dtype, control=control
+        models, observed, expected, policy=policy, control=control
     )
     findings += compared
     if check_state_dict:

@@ -21,7 +21,7 @@ import copy
 import importlib
 import random
 from collections.abc import Callable, Iterator
-from typing import Protocol, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 import torch
 from torch import nn
@@ -36,17 +36,48 @@ class _KeepAwareCast(Protocol):
     def __call__(self, model: nn.Module, dtype: torch.dtype) -> nn.Module: ...
 
 
-def _keep_aware_cast() -> _KeepAwareCast:
+class _MasterUpcast(Protocol):
+    def __call__(self, model: nn.Module) -> nn.Module: ...
+
+
+def _library(name: str) -> Any:
     # Imported lazily: fp32keep pulls in transformers, which the plugin must not import until a
     # marked test runs; and the plugin depends on the library, never the reverse.
     fp32keep = importlib.import_module("fp32keep")
-    cast: _KeepAwareCast | None = getattr(fp32keep, "keep_aware_cast", None)
-    if cast is None:
+    found = getattr(fp32keep, name, None)
+    if found is None:
         raise ImportError(
-            "build_unsharded_reference(dtype=...) needs fp32keep.keep_aware_cast, which this "
-            "installation of fp32keep does not provide"
+            f"build_unsharded_reference needs fp32keep.{name}, which this installation of "
+            "fp32keep does not provide"
         )
+    return found
+
+
+def _keep_aware_cast() -> _KeepAwareCast:
+    cast: _KeepAwareCast = _library("keep_aware_cast")
     return cast
+
+
+def _master_upcast() -> _MasterUpcast:
+    upcast: _MasterUpcast = _library("upcast_to_fp32_master")
+    return upcast
+
+
+def _check_master_dtype(dtype: torch.dtype | None, master_dtype: object) -> None:
+    if master_dtype is None:
+        return
+    if master_dtype is not torch.float32:
+        raise ValueError(
+            f"build_unsharded_reference(master_dtype={master_dtype!r}): unsupported master "
+            "dtype; pass None (parameters stored in `dtype`) or torch.float32 (FP32 master "
+            "weights)"
+        )
+    if dtype is None:
+        raise ValueError(
+            "build_unsharded_reference(master_dtype=torch.float32) needs the low-precision "
+            "dtype too (dtype=torch.bfloat16, say): the master weights are what a keep-aware "
+            "cast to it, upcast back to FP32, stores"
+        )
 
 
 @contextlib.contextmanager
@@ -104,6 +135,7 @@ def build_unsharded_reference(
     *,
     device: torch.device | str | None = None,
     seed: int = 0,
+    master_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Build the unsharded model a sharded run is compared against, bit for bit.
 
@@ -117,16 +149,25 @@ def build_unsharded_reference(
             ``None``, the reference keeps the dtypes it was built or copied with.
         device: if given, move the reference there (dtypes unchanged).
         seed: the seed for a factory; ignored for a module.
+        master_dtype: ``torch.float32``: after the keep-aware cast, every trainable parameter
+            is upcast to FP32 (``fp32keep.upcast_to_fp32_master``): the reference then stores
+            what a correct FP32-master-weight run stores before sharding (compare state dicts
+            and storage dtypes with it). Its forward computes in FP32; to compare a forward
+            under a policy whose ``param_dtype`` casts for compute, use ``master_dtype=None``
+            (the compute copy, bit-identical to what FSDP2 all-gathers).
 
     Returns:
         An ``nn.Module`` that no FSDP2 hook touches, in the same train/eval mode as built.
 
     Raises:
-        ValueError: the module, or what the factory built, is already sharded by FSDP2.
+        ValueError: the module, or what the factory built, is already sharded by FSDP2; or
+            ``master_dtype`` is neither ``None`` nor ``torch.float32``, or is given without
+            ``dtype`` (checked before anything is built or copied).
         TypeError: the argument is neither a module nor a callable, or the factory did not
             return a module.
         ImportError: ``dtype`` is given and ``fp32keep.keep_aware_cast`` is unavailable.
     """
+    _check_master_dtype(dtype, master_dtype)
     if isinstance(model_or_factory, nn.Module):
         _check_unsharded(model_or_factory, f"the model {type(model_or_factory).__name__}")
         reference = copy.deepcopy(model_or_factory)
@@ -147,6 +188,8 @@ def build_unsharded_reference(
         )
     if dtype is not None:
         reference = _keep_aware_cast()(reference, dtype)
+    if master_dtype is not None:
+        reference = _master_upcast()(reference)
     if device is not None:
         reference = reference.to(device)
     return reference

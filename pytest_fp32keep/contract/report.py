@@ -25,6 +25,23 @@ CHECKS: tuple[CheckName, ...] = (
     "round trip",
 )
 
+#: The widest a column of :meth:`ContractReport.table` gets; longer cells wrap.
+CELL_WIDTH = 70
+
+
+def _wrap(cell: str, width: int) -> list[str]:
+    """``cell`` in lines of at most ``width`` characters, broken after ``"; "`` or a space where
+    possible; only the spaces at the breaks are dropped."""
+    lines: list[str] = []
+    while len(cell) > width:
+        cut = max(cell.rfind("; ", 0, width - 1) + 2, cell.rfind(" ", 0, width) + 1)
+        if cut <= 1:
+            cut = width
+        lines.append(cell[:cut].rstrip())
+        cell = cell[cut:]
+    lines.append(cell)
+    return lines
+
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
@@ -99,17 +116,26 @@ class ContractReport:
         return {check: all(f.ok for f in self.findings if f.check == check) for check in CHECKS}
 
     def table(self, *, failures_only: bool = False) -> str:
-        """A readable text table of the findings."""
+        """A readable text table of the findings.
+
+        Columns are at most :data:`CELL_WIDTH` characters wide; a longer cell continues on the
+        next lines of its row, so nothing a finding says is cut off.
+        """
         rows = [f for f in self.findings if not (failures_only and f.ok)]
         header = ("check", "subject", "expected", "observed", "")
         cells = [header] + [
             (f.check, f.subject, f.expected, f.observed, "ok" if f.ok else "FAIL") for f in rows
         ]
-        widths = [min(max(len(row[i]) for row in cells), 70) for i in range(len(header))]
-        lines = [
-            "  ".join(cell[:70].ljust(width) for cell, width in zip(row, widths, strict=True))
-            for row in cells
-        ]
+        widths = [min(max(len(row[i]) for row in cells), CELL_WIDTH) for i in range(len(header))]
+        lines: list[str] = []
+        for row in cells:
+            pieces = [_wrap(cell, width) for cell, width in zip(row, widths, strict=True)]
+            for k in range(max(len(p) for p in pieces)):
+                line = "  ".join(
+                    (p[k] if k < len(p) else "").ljust(width)
+                    for p, width in zip(pieces, widths, strict=True)
+                )
+                lines.append(line.rstrip())
         return "\n".join(lines)
 
     def summary(self) -> str:

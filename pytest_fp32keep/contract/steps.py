@@ -61,6 +61,14 @@ def default_cast(model: nn.Module, dtype: torch.dtype, plan: KeepPlan) -> object
     return fp32keep.keep_aware_cast(model, dtype, plan=plan)
 
 
+def master_cast(model: nn.Module, dtype: torch.dtype, plan: KeepPlan) -> object:
+    """``fp32keep``'s cast for FP32 master weights: keep-aware, then every trainable parameter
+    upcast to FP32 (:func:`fp32keep.upcast_to_fp32_master`); the policy's ``param_dtype`` casts
+    for compute. The default under ``master_dtype=torch.float32``."""
+    fp32keep.keep_aware_cast(model, dtype, plan=plan)
+    return fp32keep.upcast_to_fp32_master(model)
+
+
 def default_shard(
     model: nn.Module,
     *,

@@ -276,3 +276,19 @@ def test_group_b_applies_the_dtype_plan_frozen_at_init() -> None:
     c = resolve_keep_plan(model, FP16, transformers_version=GROUP_C)
     assert b.param_names == {"query_tokens"}
     assert c.param_names == {"query_tokens", "lm.wo.weight"}
+
+
+def test_what_if_needs_no_installed_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from importlib import metadata
+
+    import fp32keep.plan
+
+    def missing() -> None:
+        raise metadata.PackageNotFoundError("transformers")
+
+    monkeypatch.setattr(fp32keep.plan, "installed_semantics", missing)
+    model = model_with_names(["a.wo.weight", "a.x.weight"], regular=["wo"])
+    plan = resolve_keep_plan(model, FP16, transformers_version=GROUP_C)
+    assert plan.param_names == {"a.wo.weight"}
+    with pytest.raises(metadata.PackageNotFoundError):  # the default needs the installed one
+        resolve_keep_plan(model, FP16)

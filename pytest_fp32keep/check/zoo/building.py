@@ -84,7 +84,11 @@ def instantiate(class_name: str, config: Any) -> nn.Module:
     perturb the caller's random stream.
     """
     transformers = importlib.import_module("transformers")
-    cls = getattr(transformers, class_name)
+    return build_seeded(getattr(transformers, class_name), config)
+
+
+def build_seeded(cls: Any, config: Any) -> nn.Module:
+    """``cls(config)`` in FP32 from :data:`BUILD_SEED`, the caller's RNG and default dtype kept."""
     previous_default = torch.get_default_dtype()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(BUILD_SEED)

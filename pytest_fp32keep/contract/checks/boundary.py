@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import difflib
+
 from torch import nn
 
 from fp32keep import KeepPlan
-from pytest_fp32keep.contract.probe import DtypeProbe, diff_boundaries, dtype_name
+from pytest_fp32keep.contract.probe import DtypeProbe, OpDtypes, diff_boundaries, dtype_name
 from pytest_fp32keep.contract.report import Finding
 
 
@@ -50,28 +52,69 @@ def check_boundary(
     return findings
 
 
+def _signature(op: OpDtypes) -> str:
+    """``aten.add.Tensor(float32, bfloat16) -> float32``: an operator and its dtypes."""
+    inputs = ", ".join(dtype_name(d) for d in op.inputs)
+    outputs = ", ".join(dtype_name(d) for d in op.outputs) or "-"
+    return f"{op.op}({inputs}) -> {outputs}"
+
+
+def _dtypes(op: OpDtypes) -> str:
+    """``inputs (float32, bfloat16) -> float32``: an operator's dtypes, without its name."""
+    inputs = ", ".join(dtype_name(d) for d in op.inputs)
+    outputs = ", ".join(dtype_name(d) for d in op.outputs) or "-"
+    return f"inputs ({inputs}) -> {outputs}"
+
+
+def diff_operators(fqn: str, call: int, want: list[OpDtypes], got: list[OpDtypes]) -> list[Finding]:
+    """The failing findings of two differing operator sequences of one call.
+
+    The sequences are aligned on the operators' names (:class:`difflib.SequenceMatcher`). An
+    aligned operator whose input or output dtypes differ is one finding (subject: the module, the
+    call, the operator's position in the reference's sequence and its name; expected and
+    observed: its input and output dtypes). Operators run on one side only, or in place of
+    others, are one finding per stretch, each side's operators listed in full with their dtypes.
+    """
+    findings: list[Finding] = []
+    where = f"{fqn or '<root>'} call {call}"
+    matcher = difflib.SequenceMatcher(a=[o.op for o in want], b=[o.op for o in got], autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            findings.extend(
+                Finding("operators", f"{where} op #{i} {w.op}", _dtypes(w), _dtypes(g), False)
+                for i, w, g in zip(range(i1, i2), want[i1:i2], got[j1:j2], strict=True)
+                if w != g
+            )
+            continue
+        if i2 > i1:
+            span = f"op #{i1}" if i2 - i1 == 1 else f"ops #{i1}-#{i2 - 1}"
+        else:
+            span = f"before op #{i1}" if i1 < len(want) else "after the last op"
+        findings.append(
+            Finding(
+                "operators",
+                f"{where} {span}",
+                "; ".join(_signature(o) for o in want[i1:i2]) or "absent",
+                "; ".join(_signature(o) for o in got[j1:j2]) or "absent",
+                False,
+            )
+        )
+    return findings
+
+
 def check_operators(
     reference: DtypeProbe, observed: DtypeProbe, modules: list[str]
 ) -> list[Finding]:
-    """The operators run in each call of ``modules``, with their dtypes, equal the reference's."""
+    """The operators run in each call of ``modules``, with their input and output dtypes, equal
+    the reference's; a difference is reported where it is (:func:`diff_operators`)."""
     findings: list[Finding] = []
     for fqn in modules:
         for call in range(min(reference.calls(fqn), observed.calls(fqn))):
             want = reference.op_dtypes(fqn, call)
             got = observed.op_dtypes(fqn, call)
-            text_want = "; ".join(
-                f"{o.op}->{','.join(dtype_name(d) for d in o.outputs)}" for o in want
-            )
-            text_got = "; ".join(
-                f"{o.op}->{','.join(dtype_name(d) for d in o.outputs)}" for o in got
-            )
-            findings.append(
-                Finding(
-                    "operators",
-                    f"{fqn} call {call}",
-                    text_want or "-",
-                    text_got or "-",
-                    want == got,
-                )
-            )
+            if want == got:
+                shown = f"{len(want)} operators" if want else "-"
+                findings.append(Finding("operators", f"{fqn} call {call}", shown, shown, True))
+            else:
+                findings.extend(diff_operators(fqn, call, want, got))
     return findings

@@ -1,17 +1,18 @@
 """The ``parity`` item: logits, loss and every gradient against the unsharded reference's.
 
-Logits and loss must be bit-identical. Gradients must be too, unless plain FSDP2 itself is not
-on the same model: then each may be as far off as the gradient noise policy
-(:mod:`pytest_fp32keep.contract.parity_policy`) allows, given the control run.
+Logits and loss must be bit-identical. Each gradient must be too, unless the control (the
+implementation's own units at the same world size, sharded with the correct policy:
+:mod:`pytest_fp32keep.contract.control`) is not bit-identical for that parameter either: then it
+may be as far off as the control is (:mod:`pytest_fp32keep.contract.parity_policy`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 
 import torch
 
-from pytest_fp32keep.contract.parity_policy import gradient_bound, relative_error
+from pytest_fp32keep.contract.parity_policy import gradient_bounds, relative_error
 from pytest_fp32keep.contract.probe import dtype_name
 from pytest_fp32keep.contract.report import Finding
 from pytest_fp32keep.contract.steps import Run
@@ -64,15 +65,12 @@ def _exact(observed: Run, reference: Run) -> tuple[list[Finding], list[str]]:
 
 
 def check_parity(
-    observed: Run,
-    reference: Run,
-    dtype: torch.dtype,
-    control: Callable[[], Sequence[float]],
+    observed: Run, reference: Run, control: Callable[[], Mapping[str, float]]
 ) -> tuple[list[Finding], list[str]]:
     """Compare the two runs; ``control`` is called only if some gradient is not bit-identical.
 
-    ``control`` measures plain FSDP2's relative gradient errors (see
-    :func:`~pytest_fp32keep.contract.parity_policy.control_error`); if it raises, the error is
+    ``control`` returns the control's relative error per gradient (see
+    :func:`~pytest_fp32keep.contract.parity_policy.control_errors`); if it raises, the error is
     reported as a finding, not raised.
 
     Returns:
@@ -82,25 +80,28 @@ def check_parity(
     if not off:
         findings.append(Finding("parity", "every gradient", "bit-identical", "bit-identical", True))
         return findings, []
-    keep_error = max(relative_error(observed.grads[n], reference.grads[n]) for n in off)  # type: ignore[arg-type]
-    measured: Sequence[float] | str
+    measured: Mapping[str, float] | str
     try:
         measured = control()
     except Exception as exc:  # a diagnostic: its failure is reported, not raised
         measured = f"{type(exc).__name__}: {exc}"
-    bound, control_findings, notes = gradient_bound(measured, dtype)
+    bounds, control_findings, notes = gradient_bounds(measured)
     findings += control_findings
+    errors = {
+        name: relative_error(observed.grads[name], reference.grads[name])  # type: ignore[arg-type]
+        for name in off
+    }
     notes.append(
-        f"{len(off)} gradient(s) not bit-identical: at most {keep_error:.3g} (relative to the "
-        f"gradient's scale) from the reference; bound {bound:.3g}"
+        f"{len(off)} gradient(s) not bit-identical: at most {max(errors.values()):.3g} "
+        "(relative to the gradient's scale) from the reference"
     )
-    for name in off:
-        error = relative_error(observed.grads[name], reference.grads[name])  # type: ignore[arg-type]
+    for name, error in errors.items():
+        bound = bounds.get(name, 0.0)
         findings.append(
             Finding(
                 "parity",
                 f"grad {name}",
-                f"<= {bound:.3g} relative",
+                f"<= {bound:.3g} relative (control)" if bound else "bit-identical (control)",
                 f"{error:.3g} relative",
                 error <= bound,
             )

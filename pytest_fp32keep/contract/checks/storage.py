@@ -7,23 +7,30 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fp32keep import KeepPlan
+from pytest_fp32keep.contract.master import expected_storage
 from pytest_fp32keep.contract.probe import DtypeProbe, dtype_name
 from pytest_fp32keep.contract.report import Finding
 from pytest_fp32keep.contract.steps import local
 
 
-def check_stored(model: nn.Module, reference: nn.Module, plan: KeepPlan) -> list[Finding]:
-    """Kept tensors' local shards (and buffers) are FP32; the rest as the reference stores them."""
+def check_stored(
+    model: nn.Module, reference: nn.Module, plan: KeepPlan, master_dtype: torch.dtype | None = None
+) -> list[Finding]:
+    """Kept tensors' local shards (and buffers) are FP32; the rest as the storage convention
+    (:mod:`~pytest_fp32keep.contract.master`) says: as the reference stores them, or trainable
+    parameters in ``master_dtype``."""
     findings: list[Finding] = []
-    expected: dict[str, torch.Tensor] = dict(reference.named_parameters(remove_duplicate=False))
-    expected.update(reference.named_buffers(remove_duplicate=False))
+    expected = expected_storage(reference, plan, master_dtype)
     observed: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     observed.update(model.named_buffers(remove_duplicate=False))
     for name, tensor in observed.items():
         if not tensor.is_floating_point():
             continue
-        want = torch.float32 if name in plan else expected[name].dtype
+        want = expected.get(name)
         got = local(tensor).dtype
+        if want is None:  # the implementation added a tensor the model does not have
+            findings.append(Finding("stored", name, "absent", dtype_name(got), False))
+            continue
         if name in plan or got != want:
             findings.append(Finding("stored", name, dtype_name(want), dtype_name(got), got == want))
     return findings

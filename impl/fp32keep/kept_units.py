@@ -1,0 +1,157 @@
+"""Which modules become kept units: the selection behind :func:`fp32keep.layout.plan_layout`. Pure.
+
+Kept units are chosen from the module tree and the plan alone: the topmost fully kept modules
+with a forward, wrap targets nested inside them, owners of only kept parameters that have
+children that are not kept, and never a module an ancestor reads without calling it
+(:mod:`fp32keep.reads`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from fp32keep.plan import KeepPlan
+from fp32keep.reads import DirectRead, find_direct_read
+from fp32keep.tensors import is_castable_float, iter_owned, join
+
+
+def has_own_forward(module: nn.Module) -> bool:
+    # Containers (ModuleList, ModuleDict, a bare nn.Module) never run forward, so FSDP2's forward
+    # hooks on them would never all-gather: their callable descendants must be the units.
+    forward = getattr(type(module), "forward", None)
+    return forward is not None and forward is not nn.Module.forward
+
+
+def float_param_names(model: nn.Module) -> dict[str, list[str]]:
+    """For every module FQN, the floating parameter names (all aliases) in its subtree."""
+    below: dict[str, list[str]] = defaultdict(list)
+    for module_fqn, _, attribute, tensor, is_param in iter_owned(model):
+        if not is_param or not is_castable_float(tensor.dtype):
+            continue
+        name = join(module_fqn, attribute)
+        parts = module_fqn.split(".") if module_fqn else []
+        for cut in range(len(parts) + 1):
+            below[".".join(parts[:cut])].append(name)
+    return below
+
+
+@dataclass
+class KeptSelection:
+    """The kept units ``plan_layout`` found, before grouping.
+
+    Attributes:
+        top: topmost fully kept modules with a forward (containers resolved to their callable
+            descendants); the only ones ``group_kept`` may group.
+        nested: wrap targets inside a fully kept module: kept units of their own, so that a large
+            kept subtree (Blip2's ``qformer``) is all-gathered block by block, not at once.
+        owners: modules that directly own only kept parameters, some trainable, but have children
+            that are not kept (attention ``sinks``, a gate's ``A_log``): kept units sharded after
+            their children, which get units of their own with the caller's policy
+            (``owner_children``). Frozen ones stay replicated, as before.
+        read_directly: kept modules an ancestor reads without calling (:mod:`fp32keep.reads`):
+            never units, since FSDP2 would never all-gather them.
+    """
+
+    top: list[str] = field(default_factory=list)
+    nested: list[str] = field(default_factory=list)
+    owners: list[str] = field(default_factory=list)
+    owner_children: list[str] = field(default_factory=list)
+    read_directly: list[DirectRead] = field(default_factory=list)
+
+
+def _direct_float_params(model: nn.Module) -> dict[str, list[str]]:
+    """For every module FQN, the floating parameter names (all aliases) it owns directly."""
+    owned: dict[str, list[str]] = defaultdict(list)
+    for module_fqn, _, attribute, tensor, is_param in iter_owned(model):
+        if is_param and is_castable_float(tensor.dtype):
+            owned[module_fqn].append(join(module_fqn, attribute))
+    return owned
+
+
+def kept_modules(
+    model: nn.Module,
+    plan: KeepPlan,
+    below: dict[str, list[str]],
+    is_target: Callable[[nn.Module], bool],
+) -> KeptSelection:
+    """The kept units of ``model`` under ``plan`` (see :class:`KeptSelection`), before grouping.
+
+    ``below`` is :func:`float_param_names`; ``is_target`` says which modules are wrap targets.
+    """
+    found = KeptSelection()
+    if not plan.param_names:
+        return found
+    direct = _direct_float_params(model)
+
+    def fully_kept(fqn: str) -> bool:
+        names = below.get(fqn, [])
+        return bool(names) and all(name in plan.param_names for name in names)
+
+    trainable = {
+        name
+        for name, param in model.named_parameters(remove_duplicate=False)
+        if param.requires_grad
+    }
+
+    def owns_only_kept(fqn: str, module: nn.Module) -> bool:
+        # Only trainable ones: frozen kept parameters of such a module (a router's correction
+        # bias) stay replicated, whole on every rank, which costs no collective at all.
+        names = direct.get(fqn, [])
+        return (
+            bool(fqn)
+            and bool(names)
+            and has_own_forward(module)
+            and all(name in plan.param_names for name in names)
+            and any(name in trainable for name in names)
+            and not fully_kept(fqn)
+        )
+
+    def callable_descendants(fqn: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
+        if has_own_forward(module):
+            return [(fqn, module)]
+        out: list[tuple[str, nn.Module]] = []
+        for child_name, child in module.named_children():
+            child_fqn = join(fqn, child_name)
+            if below.get(child_fqn):
+                out.extend(callable_descendants(child_fqn, child))
+        return out
+
+    def keep(fqn: str, module: nn.Module, into: list[str]) -> bool:
+        read = find_direct_read(model, fqn)
+        if read is not None:
+            found.read_directly.append(read)
+            return False
+        into.append(fqn)
+        return True
+
+    def visit(fqn: str, module: nn.Module) -> None:
+        if fully_kept(fqn):
+            for unit_fqn, unit_module in callable_descendants(fqn, module):
+                if keep(unit_fqn, unit_module, found.top):
+                    nest(unit_fqn, unit_module)
+            return
+        if owns_only_kept(fqn, module) and keep(fqn, module, found.owners):
+            for child_name, child in module.named_children():
+                child_fqn = join(fqn, child_name)
+                if below.get(child_fqn) and not fully_kept(child_fqn):
+                    found.owner_children.extend(
+                        unit_fqn
+                        for unit_fqn, unit_module in callable_descendants(child_fqn, child)
+                        if not fully_kept(unit_fqn)
+                        and not is_target(unit_module)
+                        and not owns_only_kept(unit_fqn, unit_module)
+                    )
+        for child_name, child in module.named_children():
+            visit(join(fqn, child_name), child)
+
+    def nest(fqn: str, module: nn.Module) -> None:
+        for name, inner in module.named_modules(prefix=fqn):
+            if name != fqn and below.get(name) and is_target(inner) and has_own_forward(inner):
+                keep(name, inner, found.nested)
+
+    visit("", model)
+    return found

@@ -1,0 +1,181 @@
+"""A batch that fits a family's tiny model: causal LM, seq2seq, Q-Former vision-language.
+
+Which batch a model gets is read from its config (:func:`batch_kind`), not from a table:
+``num_query_tokens`` with a ``vision_config`` is a Q-Former model (the zoo's Blip2 batch, whose
+vision tower and Q-Former get gradients); ``is_encoder_decoder`` is seq2seq; anything else gets
+text (``input_ids`` and ``labels``). Text ids avoid the special and placeholder ids that
+:mod:`.shrink` moved to the ends of the vocabulary.
+
+Floating inputs come the way a real caller gives them: the features a feature extractor or image
+processor makes (``input_features``, ``pixel_values``) are in the model's dtype
+(:func:`model_input_dtype`: its first floating parameter's, which is ``PreTrainedModel.dtype``),
+as ``processor(...).to(model.device, dtype=model.dtype)`` does in Transformers' own examples
+(``BatchFeature.to`` casts floating tensors only). Some models cast their features themselves
+(Voxtral's and Blip2's towers); others (AudioFlamingo3's, GlmAsr's) feed them straight to a conv
+and rely on the caller. The contract builds the batch from the reference, already cast to the
+low-precision dtype, so FP32 features there would fail in every run, autocast or not, before
+anything is compared. Token ids, masks and labels stay integer; the layout boxes of the text
+batch stay FP32 (a real tokenizer gives integer boxes, which ``.to(dtype)`` leaves alone). The
+curated zoo's own batches (:mod:`pytest_fp32keep.check.zoo.batches`) are unchanged: the
+Q-Former kinds cast the zoo's batch here.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from pytest_fp32keep.check.families.shrink import TEXT_HIGH, TEXT_LOW
+from pytest_fp32keep.check.zoo.batches import (
+    BATCH_SIZE,
+    SEQ_LEN,
+    vision_language_batch,
+)
+
+BATCH_KINDS = ("text", "seq2seq", "qformer", "qformer-video", "audio")
+#: Frames of a clip for a Q-Former video model (InstructBlipVideo's code assumes 4).
+_VIDEO_FRAMES = 4
+#: Mel frames of a clip for an audio tower without ``max_source_positions``.
+_AUDIO_FRAMES = 32
+#: The inputs a feature extractor or image processor makes: given in the model's dtype.
+_FEATURE_INPUTS = frozenset({"input_features", "pixel_values"})
+
+
+def batch_kind(config: Any) -> str:
+    """Which of :data:`BATCH_KINDS` fits a model with ``config``."""
+    if getattr(config, "num_query_tokens", None) and getattr(config, "vision_config", None):
+        return "qformer-video" if hasattr(config, "video_token_index") else "qformer"
+    if getattr(config, "is_encoder_decoder", False):
+        return "seq2seq"
+    if getattr(config, "audio_config", None) and getattr(config, "audio_token_id", None):
+        return "audio"
+    return "text"
+
+
+def _generator(seed: int | torch.Generator) -> torch.Generator:
+    if isinstance(seed, torch.Generator):
+        return seed
+    return torch.Generator(device="cpu").manual_seed(int(seed))
+
+
+def _text(generator: torch.Generator) -> torch.Tensor:
+    return torch.randint(TEXT_LOW, TEXT_HIGH, (BATCH_SIZE, SEQ_LEN), generator=generator)
+
+
+def _forward_parameters(model: nn.Module) -> frozenset[str]:
+    return frozenset(inspect.signature(model.forward).parameters)
+
+
+def model_input_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype a real caller gives ``model``'s floating features in: ``model.dtype``, the
+    dtype of its first floating parameter (FP32 for a model without one)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def _features_in_model_dtype(model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
+    dtype = model_input_dtype(model)
+    return {
+        key: value.to(dtype) if key in _FEATURE_INPUTS and value.is_floating_point() else value
+        for key, value in batch.items()
+    }
+
+
+def family_batch(model: nn.Module, seed: int | torch.Generator) -> dict[str, torch.Tensor]:
+    """One forward's keyword arguments for ``model`` (a tiny family model), with ``labels``."""
+    config: Any = getattr(model, "config", None)
+    kind = batch_kind(config)
+    if kind == "qformer":
+        return _features_in_model_dtype(model, vision_language_batch(model, seed))
+    if kind == "qformer-video":
+        return _features_in_model_dtype(model, _video_batch(model, config, _generator(seed)))
+    if kind == "audio":
+        return _audio_batch(model, config, _generator(seed))
+    generator = _generator(seed)
+    input_ids = _text(generator)
+    batch = {"input_ids": input_ids}
+    accepted = _forward_parameters(model)
+    if "bbox" in accepted:  # layout models (Udop): one box per token, corners in [0, 1]
+        corners = torch.rand((BATCH_SIZE, SEQ_LEN, 2, 2), generator=generator).sort(dim=2).values
+        batch["bbox"] = corners.transpose(2, 3).reshape(BATCH_SIZE, SEQ_LEN, 4)
+    if "labels" not in accepted:
+        pass  # a base model: the contract's loss is the mean of its output
+    elif type(model).__name__.endswith("ForTokenClassification"):
+        classes = int(getattr(config, "num_labels", 2))
+        batch["labels"] = torch.randint(0, classes, (BATCH_SIZE, SEQ_LEN), generator=generator)
+    elif kind == "seq2seq":
+        labels = _text(generator)
+        start = int(getattr(config, "decoder_start_token_id", None) or 0)
+        first = torch.full((BATCH_SIZE, 1), start, dtype=torch.long)
+        batch["decoder_input_ids"] = torch.cat([first, labels[:, :-1]], dim=1)
+        batch["labels"] = labels
+    else:
+        batch["labels"] = input_ids.clone()
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    return {key: value.to(device) for key, value in batch.items()}
+
+
+def _audio_batch(model: nn.Module, config: Any, generator: torch.Generator) -> dict[str, Any]:
+    """One mel clip per sample, and as many audio placeholders as the tower makes embeddings.
+
+    How many embeddings a clip becomes depends on the tower and its projector (frames merged
+    by 2, by 4, ...): the count is read from one run of the model's own ``get_audio_features``
+    instead of being re-derived here. The text follows the placeholders; labels ignore them.
+    """
+    audio = config.audio_config
+    positions = getattr(audio, "max_source_positions", None)
+    frames = 2 * int(positions) if positions else _AUDIO_FRAMES
+    mels = int(getattr(audio, "num_mel_bins", 16))
+    features = torch.randn((BATCH_SIZE, mels, frames), generator=generator)
+    features = features.to(model_input_dtype(model))  # before the model's own features method
+    batch: dict[str, Any] = {"input_features": features}
+    accepted = _forward_parameters(model)
+    if "input_features_mask" in accepted:
+        batch["input_features_mask"] = torch.ones((BATCH_SIZE, frames), dtype=torch.long)
+    per_sample = _audio_embeddings(model, batch) // BATCH_SIZE
+    token = int(config.audio_token_id)
+    placeholders = torch.full((BATCH_SIZE, per_sample), token, dtype=torch.long)
+    text = _text(generator)
+    batch["input_ids"] = torch.cat([placeholders, text], dim=1)
+    batch["labels"] = torch.cat([torch.full_like(placeholders, -100), text], dim=1)
+    return batch
+
+
+def _audio_embeddings(model: nn.Module, batch: dict[str, Any]) -> int:
+    """How many placeholder embeddings the model's own audio-features method makes of ``batch``'s
+    clips."""
+    # 4.x's Voxtral names it get_audio_embeds.
+    get: Any = getattr(model, "get_audio_features", None) or model.get_audio_embeds
+    accepted = frozenset(inspect.signature(get).parameters)
+    arguments = {
+        key: value for key, value in batch.items() if key in accepted or "args" in accepted
+    }
+    if "input_features_mask" not in accepted and "kwargs" not in accepted:
+        arguments.pop("input_features_mask", None)
+    with torch.no_grad():
+        out = get(**arguments)
+    tensor = getattr(out, "pooler_output", None)
+    if tensor is None:
+        tensor = out if isinstance(out, torch.Tensor) else out[0]
+    return int(tensor.reshape(-1, tensor.shape[-1]).shape[0])
+
+
+def _video_batch(model: nn.Module, config: Any, generator: torch.Generator) -> dict[str, Any]:
+    """Clips of :data:`_VIDEO_FRAMES` frames, one Q-Former query block per frame in the text."""
+    vision = config.vision_config
+    size, channels = int(vision.image_size), int(getattr(vision, "num_channels", 3))
+    pixels = torch.randn((BATCH_SIZE, _VIDEO_FRAMES, channels, size, size), generator=generator)
+    count = int(config.num_query_tokens) * _VIDEO_FRAMES
+    video = torch.full((BATCH_SIZE, count), int(config.video_token_index), dtype=torch.long)
+    text = _text(generator)
+    batch: dict[str, Any] = {"pixel_values": pixels, "input_ids": torch.cat([video, text], dim=1)}
+    if getattr(config, "use_decoder_only_language_model", True):
+        batch["labels"] = torch.cat([torch.full_like(video, -100), text], dim=1)
+    else:
+        batch["labels"] = _text(generator)
+    if getattr(config, "qformer_config", None) is not None:
+        batch["qformer_input_ids"] = _text(generator)
+        batch["qformer_attention_mask"] = torch.ones_like(batch["qformer_input_ids"])
+    return batch

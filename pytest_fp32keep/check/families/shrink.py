@@ -1,0 +1,294 @@
+"""Shrink any Transformers config to a tiny one, automatically, by the names of its fields.
+
+The default config of a model class (its published size) is turned into a dictionary, every
+field this module knows by name is set to a tiny value, consistently (heads x head_dim = hidden
+size, kv heads dividing heads, top-k not above the number of experts), in the config and in
+every nested sub-config (vision, audio, text towers, Q-Formers), and the config is rebuilt with
+``from_dict``: the path ``from_pretrained`` takes, so each class's own ``__init__`` derives what
+it derives (``layer_types``, rotary setup) from the shrunk sizes.
+
+What is shrunk is data, not code: :data:`TINY` maps field names to tiny values. Per-layer lists
+as long as the old layer count are cut to the new one (the first layers' pattern is kept).
+Special token ids are renumbered into the tiny vocabulary (:func:`_token_ids`): text specials
+at the bottom, placeholders (image, audio, video tokens) at the top, so a batch's random text
+ids (:data:`TEXT_LOW` up to :data:`TEXT_HIGH`) never hit one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+#: The tiny vocabulary of every tower.
+VOCAB = 128
+#: Random text ids of a batch lie in ``[TEXT_LOW, TEXT_HIGH)``: above the text specials, below
+#: the placeholders.
+TEXT_LOW, TEXT_HIGH = 4, VOCAB - 24
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 32, 4, 2, 8
+LAYERS = 2
+
+#: Field name -> tiny value, for the config and every sub-config that has the field.
+TINY: Mapping[str, Any] = MappingProxyType(
+    {
+        # depth
+        **dict.fromkeys(
+            (
+                "num_hidden_layers",
+                "num_layers",
+                "n_layer",
+                "n_layers",
+                "encoder_layers",
+                "decoder_layers",
+                "num_decoder_layers",
+                "num_encoder_layers",
+                "depth",
+            ),
+            LAYERS,
+        ),
+        # widths
+        **dict.fromkeys(
+            (
+                "hidden_size",
+                "d_model",
+                "n_embd",
+                "embed_dim",
+                "out_hidden_size",
+                "projection_dim",
+                "word_embed_proj_dim",
+            ),
+            HIDDEN,
+        ),
+        **dict.fromkeys(
+            (
+                "num_attention_heads",
+                "num_heads",
+                "n_head",
+                "encoder_attention_heads",
+                "decoder_attention_heads",
+            ),
+            HEADS,
+        ),
+        **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "multi_query_group_num"), KV_HEADS),
+        **dict.fromkeys(
+            ("head_dim", "d_kv", "kv_channels", "qk_rope_head_dim", "qk_nope_head_dim"), HEAD_DIM
+        ),
+        "v_head_dim": HEAD_DIM,
+        **dict.fromkeys(
+            (
+                "intermediate_size",
+                "d_ff",
+                "ffn_dim",
+                "encoder_ffn_dim",
+                "decoder_ffn_dim",
+                "n_inner",
+            ),
+            2 * HIDDEN,
+        ),
+        **dict.fromkeys(
+            (
+                "moe_intermediate_size",
+                "shared_expert_intermediate_size",
+                "expert_intermediate_size",
+                "moe_ffn_hidden_size",
+            ),
+            16,
+        ),
+        **dict.fromkeys(("q_lora_rank", "kv_lora_rank"), 16),
+        # derived in __init__ but written back by to_dict(): stale unless shrunk too
+        "qk_head_dim": 2 * HEAD_DIM,
+        "ffn_hidden_size": 2 * HIDDEN,
+        **dict.fromkeys(("expert_ffn_hidden_size", "moe_shared_expert_intermediate_size"), 16),
+        # state-space layers (Mamba-2 style): heads x head_dim = expand x hidden
+        "ssm_state_size": 16,
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 8,
+        "n_groups": 1,
+        "chunk_size": 8,
+        # experts
+        **dict.fromkeys(
+            ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4
+        ),
+        **dict.fromkeys(("num_experts_per_tok", "moe_k", "moe_topk", "num_experts_per_token"), 2),
+        **dict.fromkeys(("n_shared_experts", "num_shared_experts", "moe_num_shared_experts"), 1),
+        **dict.fromkeys(("n_group", "topk_group"), 1),
+        "zero_expert_num": 2,
+        **dict.fromkeys(("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index"), 1),
+        # vocabulary and vision geometry
+        "vocab_size": VOCAB,
+        "image_size": 16,
+        "patch_size": 8,
+        "num_query_tokens": 4,
+        # audio towers (Whisper-style): 2 x max_source_positions mel frames per clip
+        "max_source_positions": 16,
+        "num_mel_bins": 16,
+        # no randomness: the contract compares runs bit for bit
+        **dict.fromkeys(
+            (
+                "dropout",
+                "attention_dropout",
+                "hidden_dropout",
+                "dropout_rate",
+                "hidden_dropout_prob",
+                "attention_probs_dropout_prob",
+                "activation_dropout",
+                "layerdrop",
+                "encoder_layerdrop",
+                "decoder_layerdrop",
+            ),
+            0.0,
+        ),
+    }
+)
+
+#: Text special tokens and where they go; every other ``*_token_id`` / ``*_token_index`` field
+#: is a placeholder and goes to the top of the vocabulary.
+_TEXT_SPECIALS: Mapping[str, int] = MappingProxyType(
+    {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 0}
+)
+#: Placeholder ids that default to ``None`` but that a batch must find in the config.
+_PLACEHOLDERS = frozenset(
+    {"image_token_index", "image_token_id", "video_token_index", "audio_token_id"}
+)
+_LAYER_COUNT_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "depth")
+
+
+def _is_token_field(key: str) -> bool:
+    return key.endswith(("_token_id", "_token_index", "_token_ids")) or key in (
+        "image_token_index",
+        "audio_token_index",
+    )
+
+
+def _token_ids(tree: dict[str, Any], next_top: list[int]) -> None:
+    """Renumber the special token ids of ``tree`` (one config level) into the tiny vocabulary."""
+    for key, value in list(tree.items()):
+        if not _is_token_field(key):
+            continue
+        if value is None and key in _PLACEHOLDERS:
+            value = 0  # a placeholder the batch needs, unset by default (Blip2's image token)
+        elif value is None:
+            continue
+        if key in _TEXT_SPECIALS:
+            low = _TEXT_SPECIALS[key]
+            tree[key] = [low] * len(value) if isinstance(value, list) else low
+        elif isinstance(value, int):
+            next_top[0] -= 1
+            tree[key] = next_top[0]
+        elif isinstance(value, list) and all(isinstance(v, int) for v in value):
+            ids = []
+            for _ in value:
+                next_top[0] -= 1
+                ids.append(next_top[0])
+            tree[key] = ids
+
+
+def _old_layers(tree: Mapping[str, Any]) -> int | None:
+    for key in _LAYER_COUNT_KEYS:
+        value = tree.get(key)
+        if isinstance(value, int) and value > LAYERS:
+            return value
+    return None
+
+
+def shrink_dict(tree: dict[str, Any], overrides: Mapping[str, Any], next_top: list[int]) -> None:
+    """Shrink one config level (a ``to_dict()``) in place, then its sub-configs.
+
+    ``overrides`` (a family's own values, from :mod:`.overrides`) win over :data:`TINY`;
+    a nested mapping under a sub-config's key applies to that sub-config.
+    """
+    old_layers = _old_layers(tree)
+    for key, value in list(tree.items()):
+        if _is_sub_config(value):
+            continue  # a sub-config: below
+        if key in TINY and _number(value):
+            tree[key] = _smaller(value, TINY[key])
+        elif key in TINY and isinstance(value, list) and value and all(map(_number, value)):
+            tree[key] = [_smaller(item, TINY[key]) for item in value]  # one per tower
+        elif old_layers and isinstance(value, list) and len(value) == old_layers:
+            tree[key] = value[:LAYERS]
+    _consistent(tree)
+    _token_ids(tree, next_top)
+    for key, value in overrides.items():
+        if not (isinstance(value, Mapping) and _is_sub_config(tree.get(key))):
+            tree[key] = dict(value) if isinstance(value, Mapping) else value
+    for key, value in list(tree.items()):
+        if _is_sub_config(value):
+            sub_overrides = overrides.get(key, {})
+            shrink_dict(
+                value, sub_overrides if isinstance(sub_overrides, Mapping) else {}, next_top
+            )
+
+
+def _is_sub_config(value: Any) -> bool:
+    return isinstance(value, dict) and "model_type" in value
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _smaller(value: Any, tiny: Any) -> Any:
+    """``tiny``, except that a field already smaller is left as it is (never grow a tower)."""
+    return tiny if (isinstance(tiny, float) or value > tiny) else value
+
+
+def _consistent(tree: dict[str, Any]) -> None:
+    """Make the shrunk sizes agree with each other where the class derives one from another."""
+    heads = tree.get("num_attention_heads", tree.get("num_heads"))
+    if isinstance(heads, int) and isinstance(tree.get("num_key_value_heads"), int):
+        kv = tree["num_key_value_heads"]
+        if kv > heads or heads % kv or "kv_lora_rank" in tree:  # MLA: one kv head per head
+            tree["num_key_value_heads"] = heads
+    experts = next(
+        (
+            tree[key]
+            for key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+            if isinstance(tree.get(key), int)
+        ),
+        None,
+    )
+    if experts is not None:
+        for key in ("num_experts_per_tok", "moe_k", "moe_topk", "num_experts_per_token"):
+            if isinstance(tree.get(key), int) and tree[key] > experts:
+                tree[key] = experts
+    rope = tree.get("rope_parameters") or tree.get("rope_scaling")
+    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list):
+        # The sections split the rotary half of head_dim: keep their count, rescale the sum.
+        rope["mrope_section"] = _split(HEAD_DIM // 2, len(rope["mrope_section"]))
+    if "sliding_window" in tree and isinstance(tree["sliding_window"], int):
+        tree["sliding_window"] = min(tree["sliding_window"], 4)
+
+
+def _split(total: int, parts: int) -> list[int]:
+    """``total`` as ``parts`` positive integers, largest first (``_split(4, 3) == [2, 1, 1]``)."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if index < extra else 0) for index in range(parts)]
+
+
+def tiny_config(config_class: Any, overrides: Mapping[str, Any] | None = None) -> Any:
+    """The default config of ``config_class``, shrunk (:func:`shrink_dict`), eager attention."""
+    tree = config_class().to_dict()
+    for key in ("transformers_version", "architectures", "_name_or_path"):
+        tree.pop(key, None)
+    shrink_dict(tree, overrides or {}, [VOCAB])
+    config = config_class.from_dict(tree)
+    set_eager(config)
+    return config
+
+
+def set_eager(config: Any) -> None:
+    """Eager attention on ``config`` and every nested sub-config (same kernel everywhere)."""
+    seen: set[int] = set()
+    stack = [config]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        with contextlib.suppress(AttributeError, ValueError, TypeError):  # no attention here
+            current._attn_implementation = "eager"
+        for value in vars(current).values():
+            if hasattr(value, "to_dict") and hasattr(value, "model_type"):
+                stack.append(value)

@@ -1,0 +1,194 @@
+"""The parity control: the implementation's own unit layout, sharded with a known-correct policy.
+
+Gradient parity cannot always be bit-exact: averaging a gradient over ``N`` ranks rounds unless
+the arithmetic is exact (``N`` a power of two, or a low-precision gradient summed in a wider
+reduce dtype), and FSDP2's hooks can make autograd accumulate in another order than the
+unsharded model (T5's shared position bias). How much of that a correct implementation carries
+depends on the world size and on the unit layout (which parameters reduce together, in which
+dtype), so the control repeats exactly those: it reads the units the implementation under test
+produced (:func:`unit_layout`), builds the model again from the same seed, casts it the correct
+keep-aware way, and shards the *same* modules in the *same* groups on the *same* mesh, giving
+each unit the policy the contract prescribes (:func:`correct_policy`): ``param_dtype=None`` for a
+unit that holds only kept parameters, the caller's policy otherwise. Nothing else is taken from
+the implementation, so whatever it does to the numbers beyond its layout (a bf16 reduction of a
+kept unit, a wrong scale) shows up as a difference the control does not have.
+
+The argument for why this bound is sound is written down in ``docs/contract.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+import fp32keep
+from fp32keep import KeepPlan
+from pytest_fp32keep.contract.reference import seeded
+from pytest_fp32keep.contract.steps import device_of, forward_backward, master_cast
+
+__all__ = ["Unit", "control_gradients", "correct_policy", "sharding_order", "unit_layout"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One FSDP2 unit of a sharded model: the modules of one ``fully_shard`` call, the
+    parameters (fully qualified names) that call manages, and whether it reshards after
+    forward (no effect on the numbers, but a grouped unit some of whose modules do not run in
+    forward needs ``False`` on some torch releases, so the control must repeat it)."""
+
+    modules: tuple[str, ...]
+    params: frozenset[str]
+    reshard_after_forward: bool = True
+
+    def inside(self, other: Unit) -> bool:
+        """Whether a module of this unit sits strictly inside a module of ``other``."""
+        return self is not other and any(
+            mine != theirs and (not theirs or mine.startswith(theirs + "."))
+            for mine in self.modules
+            for theirs in other.modules
+        )
+
+
+def _param_fqns(model: nn.Module) -> dict[int, list[str]]:
+    names: dict[int, list[str]] = {}
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            names.setdefault(id(param), []).append(f"{fqn}.{name}" if fqn else name)
+    return names
+
+
+def unit_layout(model: nn.Module) -> tuple[Unit, ...]:
+    """The FSDP2 units of ``model`` (sharded by anyone), one per ``fully_shard`` call.
+
+    Reads FSDP2's per-module state (``fully_shard.state``), which is not public API but has kept
+    its shape since torch 2.6: the modules of the call (``_modules``) and its parameter group.
+    """
+    fqn_of = {id(module): fqn for fqn, module in model.named_modules(remove_duplicate=False)}
+    names = _param_fqns(model)
+    units: list[Unit] = []
+    seen: set[int] = set()
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state: Any = fully_shard.state(module)  # type: ignore[attr-defined]
+        if id(state) in seen:
+            continue  # a grouped call: every module of the group shares one state
+        seen.add(id(state))
+        group = state._fsdp_param_group
+        params: set[str] = set()
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            info = fsdp_param._module_info
+            params.update(names.get(id(getattr(info.module, info.param_name)), []))
+        modules = tuple(fqn_of[id(m)] for m in state._modules)
+        reshard = group is None or group.post_forward_mesh_info is not None
+        units.append(Unit(modules, frozenset(params), reshard))
+    return tuple(units)
+
+
+def correct_policy(
+    unit: Unit, plan: KeepPlan, policy: MixedPrecisionPolicy
+) -> MixedPrecisionPolicy:
+    """The policy the contract prescribes for ``unit``.
+
+    A unit holding only kept parameters computes as the unsharded model does: ``param_dtype=None``
+    (all-gathered in its FP32 storage dtype, inputs not cast), ``output_dtype=None`` (the module
+    hands back what its own code makes), and a ``reduce_dtype`` below 32 bits dropped (FP32
+    gradients averaged in bf16 would lose their low bits); every other field is the caller's.
+    Any other unit gets the caller's policy unchanged: what plain FSDP2 gives it.
+    """
+    if not unit.params or not all(name in plan for name in unit.params):
+        return policy
+    reduce_dtype = policy.reduce_dtype
+    if reduce_dtype is not None and torch.finfo(reduce_dtype).bits < 32:
+        reduce_dtype = None
+    return dataclasses.replace(
+        policy, param_dtype=None, output_dtype=None, reduce_dtype=reduce_dtype
+    )
+
+
+def sharding_order(units: tuple[Unit, ...]) -> list[Unit]:
+    """``units`` with every unit before each unit it sits inside (``fully_shard`` manages the
+    parameters not yet managed below it, so inner units must be sharded first)."""
+    order: list[Unit] = []
+    pending = list(units)
+    while pending:
+        ready = [u for u in pending if not any(o.inside(u) for o in pending if o is not u)]
+        if not ready:  # units inside each other both ways: no order reproduces them
+            raise RuntimeError(f"the units {[u.modules for u in pending]} nest in a cycle")
+        order += ready
+        pending = [u for u in pending if all(u is not r for r in ready)]
+    return order
+
+
+def _shard_like(
+    model: nn.Module,
+    units: tuple[Unit, ...],
+    *,
+    mesh: DeviceMesh,
+    plan: KeepPlan,
+    policy: MixedPrecisionPolicy,
+) -> None:
+    """Shard ``model`` into ``units`` (inner units first, so each call manages the same
+    parameters as the implementation's did), then check that it did."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    managed = set().union(*(unit.params for unit in units)) if units else set()
+    ignored = {param for name, param in parameters.items() if name not in managed}
+    options: dict[str, Any] = {"ignored_params": ignored} if ignored else {}
+    for unit in sharding_order(units):
+        targets = [modules[fqn] for fqn in unit.modules]
+        fully_shard(
+            targets if len(targets) > 1 else targets[0],
+            mesh=mesh,
+            mp_policy=correct_policy(unit, plan, policy),
+            reshard_after_forward=unit.reshard_after_forward,
+            **options,
+        )
+    mirrored = {unit.modules: unit.params for unit in unit_layout(model)}
+    wanted = {unit.modules: unit.params for unit in units}
+    if mirrored != wanted:
+        differs = sorted(
+            "+".join(m) or "<root>"
+            for m in {*mirrored, *wanted}
+            if mirrored.get(m) != wanted.get(m)
+        )
+        raise RuntimeError(
+            "the control could not reproduce the implementation's unit layout (units "
+            f"{differs[:3]} manage other parameters when sharded inner units first)"
+        )
+
+
+def control_gradients(
+    model_factory: Callable[[], nn.Module],
+    batch: Any,
+    *,
+    units: tuple[Unit, ...],
+    mesh: DeviceMesh,
+    dtype: torch.dtype,
+    master_dtype: torch.dtype | None,
+    plan: KeepPlan,
+    policy: MixedPrecisionPolicy,
+    autocast: bool,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    seed: int,
+) -> Mapping[str, torch.Tensor | None]:
+    """The gradients of the control: the model built under ``seed``, cast the correct way for
+    ``master_dtype``, sharded into ``units`` with :func:`correct_policy`, run on ``batch``."""
+    device = device_of(mesh)
+    with seeded(seed):
+        model = model_factory().to(device)
+    if master_dtype is None:
+        fp32keep.keep_aware_cast(model, dtype, plan=plan)
+    else:
+        master_cast(model, dtype, plan)
+    _shard_like(model, units, mesh=mesh, plan=plan, policy=policy)
+    run = forward_backward(
+        model, batch, autocast=autocast, device=device, dtype=dtype, loss_fn=loss_fn
+    )
+    return run.grads

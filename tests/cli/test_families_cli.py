@@ -1,0 +1,75 @@
+"""``fp32keep check --family`` / ``--all-families`` / ``--list``: errors first, rows not crashes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pytest_fp32keep.check import families
+from pytest_fp32keep.check.cli import main
+from pytest_fp32keep.check.families import entries
+from tests.error_bounds import PARENT_BOUND_S, within
+
+#: An override no T5Config accepts: the family stops building (a known-wrong shrink).
+BROKEN_T5 = {"t5": {"feed_forward_proj": "no-such-activation"}}
+
+
+@pytest.fixture
+def broken_t5(monkeypatch: pytest.MonkeyPatch) -> object:
+    """T5 does not build in this process (the ranks never see it: the parent probes)."""
+    families.probe.cache_clear()
+    monkeypatch.setattr(entries, "OVERRIDES", BROKEN_T5)
+    yield
+    families.probe.cache_clear()
+
+
+def test_unknown_family_is_an_error_before_any_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    with within(PARENT_BOUND_S):
+        code = main(["check", "--family", "t5", "--family", "no_such_family"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "fp32keep check: error: unknown --family 'no_such_family'" in err
+    assert "fp32keep check --list --all-families" in err
+
+
+@pytest.mark.usefixtures("broken_t5")
+def test_list_says_whether_each_family_builds(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "--list", "--family", "gpt_oss", "--family", "t5"]) == 0
+    out = capsys.readouterr().out
+    assert "family/gpt_oss  (GptOssForCausalLM: builds)" in out
+    assert "family/t5  (not buildable (build: " in out and "no-such-activation" in out
+
+
+@pytest.mark.usefixtures("broken_t5")
+def test_family_runs_in_ranks_and_an_unbuildable_one_is_a_row(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two real ranks check one family; the family that does not build is a note, not a crash."""
+    report = tmp_path / "families.json"
+    # GptOss declares its norms in every supported version (a regular list: kept under fp16).
+    argv = ["check", "--family", "gpt_oss", "--family", "t5", "--dtype", "fp16"]
+    code = main([*argv, "--report-json", str(report)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    result = json.loads(report.read_text())
+    [case] = result["cases"]
+    assert (case["target"], case["outcome"], case["ok"]) == (
+        "family/gpt_oss",
+        "pass",
+        True,
+    )
+    assert case["kept"], "the norms are kept under fp16"
+    assert result["unavailable"]["family/t5"].startswith("not buildable (build: ")
+    assert "not checked: family/t5: not buildable" in out
+
+
+@pytest.mark.usefixtures("broken_t5")
+def test_no_family_builds_exits_1_with_the_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    with within(PARENT_BOUND_S):
+        code = main(["check", "--family", "t5"])
+    assert code == 1
+    out = capsys.readouterr().out
+    assert "family/t5: not buildable (build: " in out and "no-such-activation" in out
+    assert "0 passed, 0 failed, 1 not buildable" in out

@@ -1,0 +1,233 @@
+"""accelerate's and Transformers' own FSDP2 paths under the contract, on zoo models, in 2 ranks.
+
+Each case asserts exactly the set of failing rows observed (``observe.rows_of``), so a fix or a
+new regression in either framework changes the set and fails here; ``nox -s frameworks`` then
+renders the recorded sets into ``docs/frameworks.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from examples.frameworks.accelerate_fsdp2 import (
+    accelerate_load,
+    accelerate_policy,
+    accelerate_shard,
+    checkpoint_cast,
+)
+from examples.frameworks.transformers_fsdp2 import transformers_policy, transformers_shard
+from pytest_fp32keep import ContractReport, assert_fp32_keep_contract
+from pytest_fp32keep.check.zoo import ZOO
+from tests.frameworks.observe import observe, record
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+MODELS = {"t5": "fp16", "ernie4_5_moe": "bf16", "deepseek_v3": "bf16", "gpt_oss": "fp16"}
+"""Zoo model -> the dtype it keeps something under (regular lists: fp16 only); T5 ties three
+embeddings, Ernie4.5-MoE keeps its router (strict list) and ties two, DeepSeek-V3 keeps a router
+weight and a router buffer, GptOss keeps every norm (regular list)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """One framework configured one way."""
+
+    name: str
+    dist: str  # the distribution whose version the table shows
+    description: str
+    run: Callable[[DeviceMesh, str, torch.dtype], ContractReport]
+
+
+def _accelerate(
+    policy: Callable[[torch.dtype], MixedPrecisionPolicy | None],
+) -> Callable[[DeviceMesh, str, torch.dtype], ContractReport]:
+    def run(mesh: DeviceMesh, model: str, dtype: torch.dtype) -> ContractReport:
+        entry = ZOO[model]
+        return assert_fp32_keep_contract(
+            entry.build,
+            functools.partial(entry.make_batch, seed=0),
+            mesh=mesh,
+            dtype=dtype,
+            autocast=True,
+            mp_policy=policy(dtype),
+            cast=checkpoint_cast,
+            shard=accelerate_shard,
+            load=accelerate_load,
+            master_dtype=torch.float32,  # accelerate upcasts every trainable parameter
+        )
+
+    return run
+
+
+def _transformers(mesh: DeviceMesh, model: str, dtype: torch.dtype) -> ContractReport:
+    entry = ZOO[model]
+    return assert_fp32_keep_contract(
+        entry.build,
+        functools.partial(entry.make_batch, seed=0),
+        mesh=mesh,
+        dtype=dtype,
+        autocast=True,
+        mp_policy=transformers_policy(),
+        shard=transformers_shard,
+        check_state_dict=False,  # no loader outside from_pretrained (transformers_fsdp2.py)
+    )
+
+
+def _fp32keep(mesh: DeviceMesh, model: str, dtype: torch.dtype) -> ContractReport:
+    entry = ZOO[model]
+    return assert_fp32_keep_contract(
+        entry.build,
+        functools.partial(entry.make_batch, seed=0),
+        mesh=mesh,
+        dtype=dtype,
+        autocast=True,
+    )
+
+
+SETUPS = {
+    setup.name: setup
+    for setup in (
+        Setup(
+            "fp32keep (control)",
+            "pytest-fp32keep",
+            "the contract's defaults (`fp32keep`'s cast, `apply_fsdp2`, loader) through the same "
+            "harness: no row, so the other setups' rows are the frameworks' own",
+            _fp32keep,
+        ),
+        Setup(
+            "accelerate",
+            "accelerate",
+            "`Accelerator(mixed_precision=...)` and its policy (param, reduce and output dtype "
+            "all low precision; inputs cast), FP32 master weights, its own loader",
+            _accelerate(accelerate_policy),
+        ),
+        Setup(
+            "accelerate, contract policy",
+            "accelerate",
+            "the same with the contract's default policy passed as `mixed_precision_policy` "
+            "(reduce in FP32, `cast_forward_inputs=False`)",
+            _accelerate(lambda dtype: None),
+        ),
+        Setup(
+            "transformers",
+            "transformers",
+            "`from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=2, "
+            "fsdp_mixed_precision=True))`'s sharding and policy (bf16 compute, FP32 reduce)",
+            _transformers,
+        ),
+    )
+}
+
+EXPECTED: dict[tuple[str, str], frozenset[str]] = {
+    **{("fp32keep (control)", model): frozenset() for model in MODELS},
+    ("accelerate", "t5"): frozenset({"crash: ValueError"}),
+    ("accelerate", "ernie4_5_moe"): frozenset(
+        {
+            "materialized (kept)",
+            "operators (kept)",
+            "parity (output)",
+            "round trip (kept)",
+            "round trip (not kept)",
+        }
+    ),
+    ("accelerate", "deepseek_v3"): frozenset({"crash: AttributeError"}),
+    ("accelerate", "gpt_oss"): frozenset(
+        {
+            "materialized (kept)",
+            "operators (kept)",
+            "parity (output)",
+            "round trip (kept)",
+            "round trip (not kept)",
+        }
+    ),
+    ("accelerate, contract policy", "t5"): frozenset({"crash: ValueError"}),
+    ("accelerate, contract policy", "ernie4_5_moe"): frozenset(
+        {"materialized (kept)", "operators (kept)", "round trip (kept)", "round trip (not kept)"}
+    ),
+    ("accelerate, contract policy", "deepseek_v3"): frozenset({"crash: AttributeError"}),
+    ("accelerate, contract policy", "gpt_oss"): frozenset(
+        {"materialized (kept)", "operators (kept)", "round trip (kept)", "round trip (not kept)"}
+    ),
+    # T5 under fp16: Transformers' policy computes in bf16 whatever the storage dtype (outputs);
+    # the contract's control cannot rebuild a layout whose units share tied embeddings (control)
+    ("transformers", "t5"): frozenset(
+        {
+            "boundary (kept)",
+            "materialized (kept)",
+            "operators (kept)",
+            "parity (control)",
+            "parity (kept)",
+            "parity (not kept)",
+            "parity (output)",
+        }
+    ),
+    ("transformers", "ernie4_5_moe"): frozenset(
+        {
+            "boundary (kept)",
+            "materialized (kept)",
+            "operators (kept)",
+            "parity (control)",
+            "parity (kept)",
+            "parity (not kept)",
+        }
+    ),
+    ("transformers", "deepseek_v3"): frozenset({"materialized (kept)", "operators (kept)"}),
+    ("transformers", "gpt_oss"): frozenset({"crash: AssertionError"}),
+}
+"""The failing rows observed with accelerate 1.15.0 and Transformers 5.24.0 on torch 2.13.0."""
+
+
+_ACCELERATE_WHY = {
+    "t5": "accelerate puts the tied `shared` embedding (with `lm_head`) in a tail unit, but T5's "
+    "encoder and decoder `embed_tokens` tie the same parameter and stay in the root unit: torch "
+    "2.13 refuses a parameter managed by two FSDP groups, at `fully_shard`",
+    "ernie4_5_moe": "every trainable parameter is upcast to FP32 and all-gathered in the policy's "
+    "bf16, the kept router too (materialized, and its operators see the bf16 weight); the loader "
+    "broadcasts rank 0's checkpoint dtype (bf16) into buffers the other ranks allocate in the "
+    "model's FP32, a dtype mismatch gloo does not detect (round trip)",
+    "gpt_oss": "as for Ernie4.5-MoE, with the kept norms all-gathered in fp16",
+    "deepseek_v3": "`fsdp2_load_full_state_dict` reads `.device_mesh` of every state-dict entry; "
+    "the persistent router buffer `e_score_correction_bias` is a plain tensor, so the loader "
+    "crashes (the rows before the round trip are not reported)",
+}
+WHY: dict[tuple[str, str], str] = {
+    **{("accelerate", model): why for model, why in _ACCELERATE_WHY.items()},
+    **{("accelerate, contract policy", model): why for model, why in _ACCELERATE_WHY.items()},
+    ("transformers", "t5"): "each kept `wo` gets its own unit, with the same bf16 policy: "
+    "all-gathered in bf16 and its input cast to bf16 (boundary); Transformers computes in bf16 "
+    "whatever the storage dtype, so under fp16 storage the outputs differ too; the contract's "
+    "control could not rebuild the layout (tied embeddings in several units), so every gradient "
+    "is held to bit-identity (parity)",
+    ("transformers", "ernie4_5_moe"): "the router gets its own unit with the bf16 policy: "
+    "all-gathered in bf16, its `moe_statics` input cast to bf16 (boundary); the contract's control "
+    "could not rebuild the grouped `embed_tokens`+`norm` unit, so every gradient is held to "
+    "bit-identity (parity)",
+    ("transformers", "gpt_oss"): "the kept final `norm` and the fp16 `lm_head` are one "
+    "`keep_full_weight` unit (its plan's norm-and-head pair), so FSDP2 refuses the unit's mixed "
+    "dtypes at the first forward",
+    ("transformers", "deepseek_v3"): "the router weight gets its own unit with the bf16 policy: "
+    "all-gathered in bf16 (materialized, and its matmul runs in bf16: operators)",
+}
+"""Why each case fails as it does (read from the frameworks' 1.15.0 / 5.24.0 sources); the
+table shows it beside the rows."""
+
+
+@pytest.mark.fsdp2(nproc=2)
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_framework_fails_exactly_the_recorded_rows(
+    fsdp2_mesh: DeviceMesh, fsdp2_rank: int, setup: str, model: str
+) -> None:
+    chosen = SETUPS[setup]
+    dtype = MODELS[model]
+    outcome = observe(lambda: chosen.run(fsdp2_mesh, model, DTYPES[dtype]))
+    if fsdp2_rank == 0:
+        why = WHY.get((setup, model), "")
+        record(chosen.name, chosen.dist, chosen.description, model, dtype, outcome, why=why)
+    assert outcome.rows == EXPECTED[setup, model], outcome.crash or "\n".join(outcome.examples)

@@ -1,0 +1,199 @@
+"""Every Transformers family from a shrunk config (:mod:`pytest_fp32keep.check.families`).
+
+Fast checks of discovery, shrinking, probing and the ``docs/families.md`` table, and the plan
+oracle for families: :func:`fp32keep.resolve_keep_plan` on the family's tiny model names exactly
+the persistent floating tensors that ``save_pretrained`` -> ``from_pretrained(dtype=D)`` leaves
+in FP32 (the mechanism of ``tests/test_plan_oracle.py``). The default suite runs the oracle on a
+slice (:data:`ORACLE_SLICE`); ``FP32KEEP_ALL_FAMILIES=1`` (``nox -s families``) runs it on every
+family that builds.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fp32keep import resolve_keep_plan
+from pytest_fp32keep.check import families
+from pytest_fp32keep.check.families import discovery, entries, shrink, table
+from pytest_fp32keep.check.families.discovery import pick_class
+from tests.test_plan_oracle import _oracle, _parity_message
+
+#: Families of the default suite's oracle slice: a strict list on an attention parameter
+#: (``sinks``, token classification), a strict router buffer (MoE), an audio tower's strict
+#: ``embed_positions``; each one where the installed Transformers has it.
+ORACLE_SLICE = ("openai_privacy_filter", "glm4_moe", "voxtral")
+ALL_FAMILIES = os.environ.get("FP32KEEP_ALL_FAMILIES") == "1"
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _oracle_families() -> list[str]:
+    # The slice is named, not looked up: listing every family imports all their modeling code,
+    # which collection of the default suite should not pay for.
+    return list(families.keep_families()) if ALL_FAMILIES else list(ORACLE_SLICE)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("family", _oracle_families())
+def test_family_plan_matches_from_pretrained(
+    family: str, dtype: torch.dtype, tmp_path: Path
+) -> None:
+    """The plan of the family's tiny model is what the installed ``from_pretrained`` keeps."""
+    if family not in families.keep_families():
+        pytest.skip(f"transformers has no family {family} that declares a keep list")
+    found = families.probe(family)
+    if found.entry is None:
+        pytest.skip(f"{family}: not buildable ({found.reason})")
+    fresh: Any = found.entry.build()
+    plan = resolve_keep_plan(fresh, dtype)
+    oracle, _ = _oracle(fresh, dtype, tmp_path)
+    assert not oracle.missing_keys, sorted(oracle.missing_keys)
+    assert plan.names <= oracle.floating, sorted(plan.names - oracle.floating)
+    assert plan.names & oracle.persistent == oracle.kept, _parity_message(plan, oracle, family)
+
+
+def test_every_listed_family_declares_a_keep_list() -> None:
+    """Listed families have a declaring class; a family that only mentions one is left out."""
+    listed = families.keep_families()
+    assert "t5" in listed
+    for family in listed[:3]:
+        classes = families.declaring_classes(family)
+        assert classes and all(
+            getattr(cls, "_keep_in_fp32_modules", None)
+            or getattr(cls, "_keep_in_fp32_modules_strict", None)
+            for cls in classes
+        )
+    mention_only = set(discovery.mentioning_families()) - set(listed)
+    for family in sorted(mention_only)[:2]:  # e.g. `_keep_in_fp32_modules_strict = []`
+        assert not families.declaring_classes(family)
+
+
+def test_the_whole_model_class_is_picked() -> None:
+    """ForConditionalGeneration before ForCausalLM before other heads before the base model."""
+
+    def named(name: str) -> type:
+        return type(name, (), {})
+
+    classes = [named(n) for n in ("FooModel", "FooForTokenClassification", "FooForCausalLM")]
+    assert pick_class(classes).__name__ == "FooForCausalLM"
+    classes.append(named("FooForConditionalGeneration"))
+    assert pick_class(classes).__name__ == "FooForConditionalGeneration"
+    assert pick_class(classes[:2]).__name__ == "FooForTokenClassification"
+    assert families.family_entry("t5").notes.startswith("T5ForConditionalGeneration ")
+
+
+def test_unknown_family_names_itself_and_how_to_list() -> None:
+    with pytest.raises(families.FamilyError) as raised:
+        families.check_family_names(["t5", "no_such_family"])
+    message = str(raised.value)
+    assert "'no_such_family'" in message and "'t5'" not in message
+    assert "fp32keep check --list --all-families" in message
+
+
+def test_shrunk_config_is_tiny_and_consistent() -> None:
+    """Sizes by field name, consistent, in every sub-config; special ids inside the vocabulary."""
+    import transformers
+
+    config = shrink.tiny_config(transformers.Blip2Config)
+    for sub in (config.vision_config, config.qformer_config, config.text_config):
+        assert sub.hidden_size == shrink.HIDDEN
+        assert sub.num_hidden_layers == shrink.LAYERS
+        assert sub.hidden_size % sub.num_attention_heads == 0
+    assert config.text_config.vocab_size == shrink.VOCAB
+    assert shrink.TEXT_HIGH <= config.image_token_index < shrink.VOCAB
+    assert config.text_config._attn_implementation == "eager"
+    gpt = shrink.tiny_config(transformers.GptOssConfig)
+    assert gpt.num_experts_per_tok <= gpt.num_local_experts == 4
+    assert gpt.num_attention_heads % gpt.num_key_value_heads == 0
+    assert len(gpt.layer_types) == gpt.num_hidden_layers == shrink.LAYERS
+
+
+def test_unshrunk_family_is_not_buildable_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: a size the shrinking misses makes a row with the reason, never a raise.
+
+    The guard's limit is lowered rather than a huge model built: the same code path, in a second.
+    """
+    families.probe.cache_clear()
+    monkeypatch.setattr(entries, "MAX_PARAMETERS", 1000)
+    try:
+        found = families.probe("t5")
+        assert found.entry is None
+        assert found.reason is not None and found.reason.startswith("build: ValueError: ")
+        assert "not in pytest_fp32keep.check.families.shrink.TINY" in found.reason
+        monkeypatch.setattr(entries, "MAX_PARAMETERS", 5_000_000)
+        families.probe.cache_clear()
+        assert families.probe("t5").entry is not None
+    finally:
+        families.probe.cache_clear()
+
+
+def test_family_batch_gives_features_in_the_model_dtype() -> None:
+    """Floating features come in the model's dtype, as ``processor(...).to(dtype=model.dtype)``
+    gives them: GlmAsr feeds ``input_features`` straight to its conv, so FP32 features made the
+    batch itself fail on the contract's cast reference (``Input type (float) and bias type
+    (c10::BFloat16)``). An FP32 model still gets FP32 features; ids stay integer."""
+    if "glmasr" not in families.keep_families():
+        pytest.skip("transformers has no glmasr family")
+    from fp32keep import keep_aware_cast
+    from pytest_fp32keep.check.families.batches import family_batch
+
+    model: Any = entries.build_family_model("glmasr")
+    assert family_batch(model, 0)["input_features"].dtype == torch.float32
+    keep_aware_cast(model, torch.bfloat16)
+    batch = family_batch(model, 0)
+    assert batch["input_features"].dtype == torch.bfloat16
+    assert batch["input_ids"].dtype == batch["labels"].dtype == torch.long
+    model(**batch).loss.backward()  # directly, no autocast: the conv gets bf16 features
+
+
+def test_qformer_family_batch_casts_pixels_and_the_zoo_batch_does_not() -> None:
+    """The families cast the zoo's vision-language batch; the curated zoo's own is unchanged."""
+    from fp32keep import keep_aware_cast
+    from pytest_fp32keep.check.families.batches import family_batch
+    from pytest_fp32keep.check.zoo.batches import vision_language_batch
+
+    model: Any = entries.build_family_model("blip_2")
+    keep_aware_cast(model, torch.bfloat16)  # (fp16 keeps query_tokens, the first parameter)
+    assert family_batch(model, 0)["pixel_values"].dtype == torch.bfloat16
+    assert vision_language_batch(model, 0)["pixel_values"].dtype == torch.float32
+
+
+def _report(version: str, cases: list[dict[str, Any]], unavailable: dict[str, str]) -> Any:
+    return {
+        "versions": {"transformers": version, "torch": "2.13.0"},
+        "date": "2026-12-01 13:00 UTC",
+        "commit": "abc1234",
+        "seconds": 1.0,
+        "cases": cases,
+        "unavailable": unavailable,
+    }
+
+
+def _case(family: str, dtype: str, outcome: str, **extra: Any) -> dict[str, Any]:
+    case = {"target": f"family/{family}", "dtype": dtype, "context": "autocast"}
+    case.update(outcome=outcome, kept=[], failures=[], message="", expect_layout_error=False)
+    case.update(extra)
+    return case
+
+
+def test_table_says_what_each_family_did_and_what_was_not_run() -> None:
+    report = _report(
+        "5.10.4",
+        [
+            _case("a", "bf16", "pass", kept=[{}, {}]),
+            _case("a", "fp16", "pass"),
+            _case("b", "bf16", "refused", message="x [root-owned] is kept", refused=["x"]),
+            _case("b", "fp16", "fail", failures=[{"check": "parity"}]),
+        ],
+        {"family/c": "not buildable (build: ValueError: no)"},
+    )
+    text = table.render([report], ["4.56", "5.10", "latest"])
+    assert "| a | not yet run | not yet run | pass (2 kept) | pass (nothing kept) |" in text
+    assert "| b | not yet run | not yet run | refused (root-owned: x) | FAIL (parity) |" in text
+    assert "not buildable (build: ValueError: no)" in text
+    assert "- 4.56: not yet run" in text and "- latest: not yet run" in text
+    assert "| 5.10 | fp16 | 1 | 0 | 1 | 1 |" in text

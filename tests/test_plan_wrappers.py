@@ -1,0 +1,181 @@
+"""Wrapped models and the what-if, on real Transformers classes from tiny configs (no downloads).
+
+* A wrapper (a plain ``nn.Module`` holding the model, a value-head model, PEFT's forwarding
+  ``PeftModel``) keeps exactly what the wrapped model keeps, under the wrapper's prefix: the
+  wrapped model's plan is itself checked against ``from_pretrained`` in tests/test_plan_oracle.py.
+  ``peft`` is not a dependency of this project, so the PEFT case is a wrapper that forwards
+  attribute lookups and wraps ``wo`` in a LoRA layer the way PEFT's ``LoraModel`` does.
+* ``transformers_version=`` answers from the class-level declarations, replaying that release's
+  ``post_init``; the replay is checked against the installed ``post_init`` for every zoo model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from packaging.version import Version
+from torch import nn
+
+from fp32keep import resolve_keep_plan
+from fp32keep.compat import REGULAR_ATTR, STRICT_ATTR, installed_semantics, semantics_for
+from fp32keep.plan import _post_init_lists
+from pytest_fp32keep.check.zoo import ZOO, transformers_version
+
+FP16, BF16 = torch.float16, torch.bfloat16
+T5_WO = 4  # two encoder and two decoder blocks, one `wo` each
+
+
+def t5() -> nn.Module:
+    return ZOO["t5"].build()
+
+
+class PlainWrapper(nn.Module):
+    def __init__(self, model: nn.Module, attribute: str = "model") -> None:
+        super().__init__()
+        self.add_module(attribute, model)
+
+
+class ValueHeadModel(nn.Module):
+    """trl's shape: the language model under ``pretrained_model`` and a value head beside it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.pretrained_model = model
+        self.v_head = nn.Linear(32, 1)
+
+
+class _Forwarding(nn.Module):
+    # PEFT forwards unknown attributes to the wrapped model (PeftModel -> LoraModel -> model).
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in ("base_model", "model"):
+                raise
+            inner = "base_model" if "base_model" in self._modules else "model"
+            return getattr(self._modules[inner], name)
+
+
+class LoraLinear(nn.Module):
+    def __init__(self, base_layer: nn.Linear, rank: int = 2) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.lora_A = nn.Linear(base_layer.in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, base_layer.out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + self.lora_B(self.lora_A(x))
+
+
+class LoraModelLike(_Forwarding):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        for name, module in list(model.named_modules()):
+            if name.endswith(".wo"):
+                parent, _, leaf = name.rpartition(".")
+                setattr(model.get_submodule(parent), leaf, LoraLinear(module))
+
+
+class PeftModelLike(_Forwarding):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.base_model = LoraModelLike(model)
+
+
+def prefixed(prefix: str, names: frozenset[str]) -> set[str]:
+    return {f"{prefix}.{name}" for name in names}
+
+
+@pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(
+    ("wrap", "prefix"),
+    [
+        pytest.param(PlainWrapper, "model", id="plain"),
+        pytest.param(ValueHeadModel, "pretrained_model", id="value-head"),
+        pytest.param(lambda m: PlainWrapper(m, "two"), "two", id="prefix-with-entry-text"),
+    ],
+)
+def test_wrapper_keeps_what_the_wrapped_model_keeps(
+    wrap: Any, prefix: str, dtype: torch.dtype
+) -> None:
+    inner = t5()
+    expected = prefixed(prefix, resolve_keep_plan(inner, dtype).param_names)
+    assert len(expected) == (T5_WO if dtype == FP16 else 0)
+    plan = resolve_keep_plan(wrap(inner), dtype)
+    assert set(plan.param_names) == expected
+    assert plan.declared_by == (prefix,)
+    if expected:
+        assert f"declarations read from: [{prefix!r}]" in plan.describe()
+
+
+def test_negative_control_full_names_would_match_the_wrappers_prefix() -> None:
+    # Why entries are matched below the declaring model: in 5.x "wo" is a substring search, and
+    # the wrapper attribute "two" would make every tensor under it kept.
+    if installed_semantics().group == "A":
+        pytest.skip("4.x matches whole segments; 'two' never matches 'wo'")
+    pattern = installed_semantics().compile(["wo"], owner="T5")
+    assert pattern.search("two.shared.weight") is not None
+
+
+@pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
+def test_peft_style_wrapper_keeps_the_lora_wrapped_wo(dtype: torch.dtype) -> None:
+    model = PeftModelLike(t5())
+    assert hasattr(model, REGULAR_ATTR)  # forwarded, as PEFT forwards it
+    plan = resolve_keep_plan(model, dtype)
+    assert plan.declared_by == ("base_model.model",)
+    kept = set(plan.param_names)
+    if dtype == BF16:
+        assert kept == set()
+        return
+    base = {name for name in kept if name.endswith(".wo.base_layer.weight")}
+    adapters = {name for name in kept if ".wo.lora_" in name}
+    assert len(base) == T5_WO and len(adapters) == 2 * T5_WO and kept == base | adapters
+    assert all(name.startswith("base_model.model.") for name in kept)
+
+
+# --- the what-if ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("version", "fp16", "bf16"),
+    [
+        ("4.56.2", T5_WO, 0),
+        ("5.0.0", T5_WO, T5_WO),  # no dtype gate in 5.0.0
+        ("5.10.4", T5_WO, 0),
+        ("5.24.0", T5_WO, 0),
+    ],
+)
+def test_what_if_on_t5_matches_each_release(version: str, fp16: int, bf16: int) -> None:
+    # The counts are what each release's from_pretrained keeps (semantics document).
+    model = t5()
+    for dtype, count in ((FP16, fp16), (BF16, bf16)):
+        plan = resolve_keep_plan(model, dtype, transformers_version=version)
+        assert len(plan.param_names) == count, (version, dtype)
+        assert all(name.endswith("DenseReluDense.wo.weight") for name in plan.param_names)
+
+
+def test_negative_control_runtime_sets_are_what_5_0_0_would_ignore() -> None:
+    # Reading the installed post_init's runtime attribute (a set in 5.1+) under 5.0.0's rules
+    # keeps nothing: the bug the class-level reading fixes.
+    if Version(transformers_version()) < Version("5.1"):
+        pytest.skip("4.x and 5.0.0 leave the declarations as lists")
+    model = t5()
+    assert isinstance(getattr(model, REGULAR_ATTR), set)
+    assert semantics_for("5.0.0").declared(getattr(model, REGULAR_ATTR)) is None
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_post_init_replay_matches_the_installed_post_init(name: str) -> None:
+    """The 5.1+ replay used for the what-if equals what the installed 5.1+ post_init built."""
+    if installed_semantics().group != "C":
+        pytest.skip("the installed release does not run 5.1+'s post_init")
+    entry = ZOO[name]
+    if (reason := entry.unavailable_reason()) is not None:
+        pytest.skip(reason)
+    model = entry.build()
+    for attribute in (REGULAR_ATTR, STRICT_ATTR):
+        runtime = set(getattr(model, attribute) or ())
+        assert set(_post_init_lists(model, attribute)) == runtime, (name, attribute)
