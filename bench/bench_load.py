@@ -1,6 +1,6 @@
 """Full-state-dict load into an FSDP2 model: fp32keep against DCP and a broadcast loop.
 
-    python bench/bench_load.py [--quick] [--json OUT]
+    python bench/bench_load.py [--quick] [--json OUT] [--arms fp32keep,dcp,scatter]
 
 A Llama (``transformers.LlamaForCausalLM``; about 338M parameters, 1.35 GB in FP32 by default)
 is built on the meta device on every rank and sharded with ``fully_shard`` per decoder layer plus
@@ -26,9 +26,11 @@ Every arm runs in its own ``torchrun`` processes (2 ranks, gloo, CPU), so one ar
 never inflate another's peak; with several processes per arm the arms take turns. Each process
 loads ``--repeats`` times into a fresh meta model; the peak is measured on the first (cold) load:
 ``VmHWM`` is reset through ``/proc/self/clear_refs`` just before the load, and the figure is its
-rise over the resident set at that moment. Wall time is the slowest rank's, from a barrier to
-the load's return. The machine ceiling is a single-threaded in-process copy of the same bytes
-into memory already touched (each rank runs with ``OMP_NUM_THREADS=1`` under torchrun).
+rise over the resident set at that moment. Before each load (and each ceiling scatter) the
+heap's free pages go back to the kernel (``malloc_trim``), so a repeat is as cold as the first
+load. Wall time is the slowest rank's, from a barrier to the load's return. The machine
+ceiling is a single-threaded in-process copy of the same bytes into memory already touched
+(each rank runs with ``OMP_NUM_THREADS=1`` under torchrun).
 
 Every rank hashes its local shards after the first load; all arms must agree with each other and
 with the shards cut directly from the checkpoint, or the benchmark fails.
@@ -76,6 +78,7 @@ from load_scaling import (
     memory_table,
     memory_targets,
     own_shard_bytes,
+    return_freed_memory,
     scatter_ceiling,
 )
 from torch.distributed.device_mesh import init_device_mesh
@@ -163,6 +166,7 @@ def _worker(args: argparse.Namespace) -> None:
     for repeat in range(args.repeats):
         model = build()
         gc.collect()
+        return_freed_memory()
         dist.barrier()
         reset_peak_rss()
         rss_before = proc_status_kib("VmRSS")
@@ -283,15 +287,35 @@ def run_process(
         measured["hashes"][rank].add(data["hash"])
 
 
-def arms_for(quick: bool, buckets: Sequence[int]) -> list[Arm]:
-    """The arms of one run: fp32keep at each bucket size, then the alternatives."""
+METHODS = ("fp32keep", "dcp", "broadcast", "broadcast-local", "scatter")
+REQUIRED_METHODS = ("fp32keep", "dcp", "scatter")
+"""The targets compare fp32keep with DCP and with the ceiling: ``--arms`` must keep these."""
+
+
+def parse_methods(text: str) -> tuple[str, ...]:
+    """``--arms`` as a tuple of methods, refused (naming the bad one) unless it is a subset of
+    :data:`METHODS` that holds :data:`REQUIRED_METHODS`."""
+    methods = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown arm {unknown[0]!r}; choose from {METHODS}")
+    missing = [m for m in REQUIRED_METHODS if m not in methods]
+    if missing:
+        raise argparse.ArgumentTypeError(
+            f"--arms must include {missing[0]!r}: the targets compare against it"
+        )
+    return methods
+
+
+def arms_for(quick: bool, buckets: Sequence[int], methods: Sequence[str] = METHODS) -> list[Arm]:
+    """The arms of one run: fp32keep at each bucket size, then the alternatives (of ``methods``)."""
     arms = [Arm(f"fp32keep {b} MiB", "fp32keep", b) for b in buckets]
     arms += [Arm("dcp", "dcp"), Arm("broadcast", "broadcast")]
     if not quick:
         arms.append(Arm("broadcast-local", "broadcast-local"))
     arms.append(Arm("scatter, one", "scatter", 0))
     arms.append(Arm("scatter, 256 MiB pieces", "scatter", 256))
-    return arms
+    return [arm for arm in arms if arm.method in methods]
 
 
 def memory_arms() -> list[Arm]:
@@ -309,6 +333,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, help="loads per process (median over all)")
     parser.add_argument(
         "--buckets", type=lambda s: [int(x) for x in s.split(",")], help="fp32keep MiB list"
+    )
+    parser.add_argument(
+        "--arms",
+        type=parse_methods,
+        default=METHODS,
+        help=f"comma list of the arms to run (default: all of {','.join(METHODS)}; "
+        f"{', '.join(REQUIRED_METHODS)} are required)",
     )
     # rank-side arguments (the parent passes them to torchrun)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -330,6 +361,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     repeats = args.repeats or (2 if quick else 3)
     buckets = args.buckets or ([256] if quick else [64, 256, 1024])
     flags = [flag for flag, on in (("--quick", quick), ("--memory-only", args.memory_only)) if on]
+    if tuple(args.arms) != METHODS:
+        flags.append(f"--arms {','.join(args.arms)}")
     command = " ".join(["python bench/bench_load.py", *flags])
     result = BenchResult(
         name="load",
@@ -340,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     params, nbytes = config_bytes(quick)
     ceiling = median(copy_ceiling(nbytes, 5))
-    arms = [] if args.memory_only else arms_for(quick, buckets)
+    arms = [] if args.memory_only else arms_for(quick, buckets, args.arms)
     measured = {arm.label: empty_measurement() for arm in arms}
     # Round-robin over the arms (not arm after arm), so a burst of load from elsewhere on the
     # machine spreads over every arm instead of landing on one.

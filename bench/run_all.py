@@ -34,13 +34,15 @@ from _common import (
     read_json,
 )
 
-BENCHMARKS = ("startup", "dispatch", "step", "load")
-"""Run order: the cheap, load-sensitive start-up figure first, the memory-hungry load last."""
+BENCHMARKS = ("startup", "dispatch", "step", "load", "families")
+"""Run order: the cheap, load-sensitive start-up figure first, then the memory-hungry load, then
+the longest, ``fp32keep check --all-families`` (which installs its Transformers on first use)."""
 TITLES = {
     "startup": "Start-up cost of the plugin",
     "dispatch": "Test dispatch",
     "step": "Kept units per training step",
     "load": "Full-state-dict load",
+    "families": "Families: fp32keep check --all-families",
 }
 
 

@@ -399,3 +399,52 @@ def test_docs_matrix_table_is_rendered_from_its_data(matrix: Matrix) -> None:
     rendered = matrix_report.render_markdown(matrix_report.merge(data, [], matrix), matrix)
     table = (ROOT / matrix_report.TABLE_PATH).read_text(encoding="utf-8")
     assert table == rendered, "docs/matrix.md is stale or hand-edited: run nox -s matrix-report"
+
+
+TRANSFORMERS_IMPORT = re.compile(
+    r"^\s*(?:import\s+transformers\b|from\s+transformers\b)|import_module\(\s*['\"]transformers",
+    re.MULTILINE,
+)
+"""An import of Transformers, static or through importlib."""
+
+
+def ci_run_transformers_independent() -> list[str]:
+    """The paths `.ci/run` leaves out of the 4.56 and newest-release sessions."""
+    text = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    found = re.search(r"^TRANSFORMERS_INDEPENDENT=\(([^)]*)\)", text, re.MULTILINE)
+    assert found, ".ci/run no longer defines TRANSFORMERS_INDEPENDENT=(...)"
+    return found.group(1).split()
+
+
+def transformers_importers(paths: list[Path]) -> list[str]:
+    """The Python files under ``paths`` that import Transformers."""
+    files = [f for p in paths for f in ([p] if p.is_file() else sorted(p.rglob("*.py")))]
+    return [str(f) for f in files if TRANSFORMERS_IMPORT.search(f.read_text(encoding="utf-8"))]
+
+
+def test_what_ci_runs_once_imports_no_transformers() -> None:
+    """`.ci/run` runs tests/plugin and tests/test_packaging.py at one Transformers version only:
+    that is sound while neither they nor the plugin they load import Transformers."""
+    paths = [ROOT / p for p in ci_run_transformers_independent()]
+    assert paths and all(p.exists() for p in paths), paths
+    assert transformers_importers(paths) == []
+    probe = (
+        "import sys, pytest_fp32keep.plugin, pytest_fp32keep.fixtures, pytest_fp32keep.runner\n"
+        "print('transformers' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", "loading the plugin imports Transformers"
+
+
+def test_a_transformers_import_is_found(tmp_path: Path) -> None:
+    """Negative control for the check above: every spelling of the import is caught."""
+    spellings = (
+        "import transformers",
+        "from transformers import AutoModel",
+        "    import transformers.x",
+        'importlib.import_module("transformers")',
+    )
+    for index, line in enumerate(spellings):
+        (tmp_path / f"t{index}.py").write_text(f"x = 1\n{line}\n", encoding="utf-8")
+    (tmp_path / "clean.py").write_text("# transformers are mentioned, not imported\n")
+    assert len(transformers_importers([tmp_path])) == 4

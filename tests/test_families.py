@@ -197,3 +197,131 @@ def test_table_says_what_each_family_did_and_what_was_not_run() -> None:
     assert "not buildable (build: ValueError: no)" in text
     assert "- 4.56: not yet run" in text and "- latest: not yet run" in text
     assert "| 5.10 | fp16 | 1 | 0 | 1 | 1 |" in text
+
+
+def test_fields_that_copy_a_width_follow_it_across_sub_configs() -> None:
+    """A field that repeats some level's width takes its new width (:func:`follow_widths`);
+    a field of the same name but another value, and a shrunk field, are left alone."""
+    before = {
+        "hidden_size": 512,
+        "upsample_groups": 512,  # depthwise: one group per channel
+        "codebook_dim": 256,  # another size: stays
+        "max_position_embeddings": 512,  # not a width's name: stays
+        "head_config": {"model_type": "h", "audio_hidden_size": 1280, "hidden_size": 64},
+        "audio_config": {"model_type": "a", "hidden_size": 1280},
+    }
+    after = {
+        "hidden_size": 32,
+        "upsample_groups": 512,
+        "codebook_dim": 256,
+        "max_position_embeddings": 512,
+        "head_config": {"model_type": "h", "audio_hidden_size": 1280, "hidden_size": 32},
+        "audio_config": {"model_type": "a", "hidden_size": 32},
+    }
+    shrink.follow_widths(before, after)
+    assert after["upsample_groups"] == 32
+    assert after["head_config"]["audio_hidden_size"] == 32  # another tower's width
+    assert (after["codebook_dim"], after["max_position_embeddings"]) == (256, 512)
+
+
+def test_depthwise_groups_follow_the_width_on_a_real_codec() -> None:
+    """Mimi's ``upsample_groups`` (= its hidden size): without the width pass the shrunk codec
+    does not build (``in_channels must be divisible by groups``), with it, it does."""
+    import transformers
+
+    if not hasattr(transformers, "MimiConfig"):
+        pytest.skip("transformers has no Mimi")
+    from pytest_fp32keep.check.zoo.building import build_seeded
+
+    tree = transformers.MimiConfig().to_dict()
+    for key in ("transformers_version", "architectures", "_name_or_path"):
+        tree.pop(key, None)
+    before = dict(tree)
+    shrink.shrink_dict(tree, {}, [shrink.VOCAB])
+    assert tree["upsample_groups"] != tree["hidden_size"]  # the negative control
+    with pytest.raises(ValueError, match="divisible by groups"):
+        build_seeded(transformers.MimiModel, transformers.MimiConfig.from_dict(tree))
+    shrink.follow_widths(before, tree)
+    config = transformers.MimiConfig.from_dict(tree)
+    assert config.upsample_groups == config.hidden_size == shrink.HIDDEN
+    build_seeded(transformers.MimiModel, config)
+
+
+def test_layer_cut_keeps_every_kind_of_layer_that_fits() -> None:
+    """Kimi-Linear's first full-attention layer is its 4th: the first two layers alone would
+    be linear only (its cache then has no attention layer to ask its length)."""
+    kinds = ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3
+    assert shrink.cut_layers(kinds) == ["linear_attention", "full_attention"]
+    assert shrink.cut_layers(["dense", "sparse", "sparse"]) == ["dense", "sparse"]
+    assert shrink.cut_layers(["sliding"] * 5) == ["sliding", "sliding"]
+    assert shrink.cut_layers([7, 8, 9]) == [7, 8]  # not kinds: the first layers
+
+
+def test_shrinking_keeps_multi_head_attention_and_fills_an_unset_top_k() -> None:
+    """A default with kv heads = heads stays multi-head (5.24's ESMC refuses GQA); an unset
+    ``num_experts_per_tok`` with experts gets one (DeepseekV2's topk(k=None))."""
+    mha = {"num_attention_heads": 32, "num_key_value_heads": 32, "hidden_size": 4096}
+    gqa = {"num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096}
+    moe = {"n_routed_experts": 64, "num_experts_per_tok": None}
+    for tree in (mha, gqa, moe):
+        shrink.shrink_dict(tree, {}, [shrink.VOCAB])
+    assert mha["num_key_value_heads"] == mha["num_attention_heads"] == shrink.HEADS
+    assert gqa["num_key_value_heads"] == shrink.KV_HEADS
+    assert moe["num_experts_per_tok"] == 2 <= moe["n_routed_experts"]
+
+
+def _tower_gradients(model: Any, batch: dict[str, Any], prefix: str) -> tuple[int, int]:
+    """(parameters under ``prefix``, how many of them got a gradient) after one backward."""
+    model.zero_grad(set_to_none=True)
+    model(**batch).loss.backward()
+    tower = [p for name, p in model.named_parameters() if name.startswith(prefix)]
+    return len(tower), sum(p.grad is not None for p in tower)
+
+
+@pytest.mark.parametrize(
+    ("family", "prefix"),
+    [("glm4v_moe", "model.visual."), ("udop", "patch_embed.")],
+    ids=["patch-grid", "whole-image"],
+)
+def test_vision_tower_gets_pixels_and_gradients(family: str, prefix: str) -> None:
+    """The family batch gives the vision tower pixels that fit (a patch grid with its
+    ``image_grid_thw`` and placeholders; a whole image), so every tower parameter gets a
+    gradient. Negative control: the same batch without pixels (the old text-only batch)
+    leaves the tower without any."""
+    if family not in families.keep_families():
+        pytest.skip(f"transformers has no {family} family")
+    from pytest_fp32keep.check.families.batches import family_batch
+
+    model: Any = entries.build_family_model(family)
+    batch = family_batch(model, 0)
+    count, with_grad = _tower_gradients(model, batch, prefix)
+    assert count and with_grad == count
+    if family == "glm4v_moe":
+        token = model.config.image_token_id
+        assert int((batch["input_ids"] == token).sum()) > 0
+        assert batch["mm_token_type_ids"].sum() == (batch["input_ids"] == token).sum()
+    text_only = {k: v for k, v in batch.items() if k not in ("pixel_values", "image_grid_thw")}
+    if family == "glm4v_moe":  # no placeholders without an image
+        text_only = {
+            "input_ids": batch["input_ids"][:, -8:],
+            "labels": batch["labels"][:, -8:],
+        }
+    assert _tower_gradients(model, text_only, prefix) == (count, 0)
+
+
+def test_multi_codebook_model_gets_one_code_per_codebook() -> None:
+    """KyutaiSpeechToText embeds ``(batch, seq, 1 + num_codebooks)`` ids (text, then audio
+    codes) and sums them; its codec runs in ``generate`` only. Negative control: the plain
+    text ids fail in its embedding (the shapes do not broadcast)."""
+    if "kyutai_speech_to_text" not in families.keep_families():
+        pytest.skip("transformers has no kyutai_speech_to_text family")
+    from pytest_fp32keep.check.families.batches import family_batch
+
+    model: Any = entries.build_family_model("kyutai_speech_to_text")
+    batch = family_batch(model, 0)
+    ids = batch["input_ids"]
+    assert ids.shape[-1] == 1 + model.config.num_codebooks
+    assert batch["labels"].shape == ids.shape[:2]
+    model(**batch).loss.backward()
+    with pytest.raises(RuntimeError, match="must match the size"):
+        model(input_ids=ids[..., 0], labels=batch["labels"])

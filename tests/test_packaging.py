@@ -56,6 +56,9 @@ SDIST_FILES = (
 NOT_SOURCES = frozenset({"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"})
 """Folder names holding caches, never sources: neither distribution may carry them."""
 
+SCRATCH = ("bench/out",)
+"""Git-ignored output folders inside source folders (the benchmarks' scratch): not sources."""
+
 SDIST_TESTS = (
     "tests/test_architecture.py",
     "tests/test_errors_doc.py",
@@ -148,6 +151,7 @@ def _sources(folder: Path, pattern: str = "*") -> list[Path]:
         for path in folder.rglob(pattern)
         if path.is_file()
         and not NOT_SOURCES.intersection(path.relative_to(ROOT).parts)
+        and not path.relative_to(ROOT).as_posix().startswith(tuple(f"{d}/" for d in SCRATCH))
         and path.suffix not in (".pyc", ".pyo")
     )
 

@@ -3,14 +3,19 @@
 * A wrapper (a plain ``nn.Module`` holding the model, a value-head model, PEFT's forwarding
   ``PeftModel``) keeps exactly what the wrapped model keeps, under the wrapper's prefix: the
   wrapped model's plan is itself checked against ``from_pretrained`` in tests/test_plan_oracle.py.
-  ``peft`` is not a dependency of this project, so the PEFT case is a wrapper that forwards
-  attribute lookups and wraps ``wo`` in a LoRA layer the way PEFT's ``LoraModel`` does.
+  The real ``peft`` (in the ``test`` extra): ``get_peft_model`` with LoRA keeps the base tensors
+  under ``base_model.model``, and its adapters follow the entries as Transformers' rules match
+  them under the declaring model: adapters of the attention projections are not kept (cast to
+  the low-precision dtype, trained), adapters of a kept module (LoRA on T5's ``wo``) are. A
+  forwarding stand-in (``PeftModelLike``) checks the same without PEFT's own code. The sharded
+  runs are in tests/multirank/test_wrapped_models_fsdp2.py.
 * ``transformers_version=`` answers from the class-level declarations, replaying that release's
   ``post_init``; the replay is checked against the installed ``post_init`` for every zoo model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -18,8 +23,9 @@ import torch
 from packaging.version import Version
 from torch import nn
 
-from fp32keep import resolve_keep_plan
+from fp32keep import keep_aware_cast, resolve_keep_plan
 from fp32keep.compat import REGULAR_ATTR, STRICT_ATTR, installed_semantics, semantics_for
+from fp32keep.layout import plan_layout
 from fp32keep.plan import _post_init_lists
 from pytest_fp32keep.check.zoo import ZOO, transformers_version
 
@@ -134,6 +140,84 @@ def test_peft_style_wrapper_keeps_the_lora_wrapped_wo(dtype: torch.dtype) -> Non
     adapters = {name for name in kept if ".wo.lora_" in name}
     assert len(base) == T5_WO and len(adapters) == 2 * T5_WO and kept == base | adapters
     assert all(name.startswith("base_model.model.") for name in kept)
+
+
+# --- the real PEFT ------------------------------------------------------------------------
+
+#: Zoo model, LoRA targets (its attention projections), and the dtype that keeps something.
+PEFT_CASES = {"t5": (["q", "v"], FP16), "ernie4_5_moe": (["q_proj", "v_proj"], BF16)}
+
+
+def peft_model(name: str, targets: list[str]) -> tuple[nn.Module, nn.Module]:
+    """``(PeftModel, the model it wraps)``: LoRA on ``targets`` of the zoo model ``name``."""
+    from peft import LoraConfig, get_peft_model
+
+    entry = ZOO[name]
+    if (reason := entry.unavailable_reason()) is not None:
+        pytest.skip(reason)
+    inner = entry.build()
+    config = LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=targets)
+    return get_peft_model(inner, config), inner
+
+
+def floating_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    return {name: t.dtype for name, t in tensors.items() if t.is_floating_point()}
+
+
+@pytest.mark.parametrize("name", list(PEFT_CASES))
+def test_real_peft_keeps_the_base_tensors_and_casts_the_adapters(name: str) -> None:
+    targets, dtype = PEFT_CASES[name]
+    model, inner = peft_model(name, targets)
+    expected = resolve_keep_plan(inner, dtype)
+    prefix = "base_model.model"
+    plan = resolve_keep_plan(model, dtype)
+    assert plan.declared_by == (prefix,)
+    assert set(plan.param_names) == prefixed(prefix, expected.param_names) != set()
+    assert set(plan.buffer_names) == prefixed(prefix, expected.buffer_names)
+    keep_aware_cast(model, dtype, plan=plan)
+    dtypes = floating_dtypes(model)
+    adapters = {n for n in dtypes if ".lora_" in n}
+    assert adapters and not adapters & plan.names  # the projections' adapters are not kept
+    for tensor, got in dtypes.items():  # kept: FP32; the rest, adapters too: the dtype
+        assert got == (torch.float32 if tensor in plan.names else dtype), tensor
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {n for n in adapters if n in dict(model.named_parameters())}
+
+
+def test_real_peft_adapters_of_a_kept_module_are_kept_and_form_its_unit() -> None:
+    # LoRA on T5's `wo`: the adapters' names under T5 (`...wo.lora_A.default.weight`) match the
+    # entry in every release line (a whole segment in 4.x, a substring in 5.x).
+    model, _ = peft_model("t5", ["wo"])
+    plan = resolve_keep_plan(model, FP16)
+    kept = set(plan.param_names)
+    base = {n for n in kept if n.endswith(".wo.base_layer.weight")}
+    adapters = {n for n in kept if ".wo.lora_" in n}
+    assert len(base) == T5_WO and len(adapters) == 2 * T5_WO and kept == base | adapters
+    keep_aware_cast(model, FP16, plan=plan)
+    assert {floating_dtypes(model)[n] for n in kept} == {torch.float32}
+    # The PEFT layer holding base weight and adapters is fully kept: one kept unit each.
+    units = [unit for unit in plan_layout(model, plan).units if unit.kind == "kept"]
+    assert sorted(fqn for unit in units for fqn in unit.module_fqns) == sorted(
+        name.removesuffix(".base_layer.weight") for name in base
+    )
+
+
+def test_negative_control_peft_classes_declare_nothing() -> None:
+    # A resolver that reads the top module's class (PeftModel) finds no declaration, and a cast
+    # with its empty plan degrades every `wo`; the forwarded attribute hides that.
+    model, _ = peft_model("t5", ["q", "v"])
+    assert hasattr(model, REGULAR_ATTR)  # forwarded to the T5 model by PEFT's __getattr__
+    assert all(REGULAR_ATTR not in vars(cls) for cls in type(model).__mro__)
+    empty = dataclasses.replace(
+        resolve_keep_plan(model, FP16),
+        param_names=frozenset(),
+        buffer_names=frozenset(),
+        matches={},
+    )
+    keep_aware_cast(model, FP16, plan=empty)
+    wo = {n: d for n, d in floating_dtypes(model).items() if n.endswith(".wo.weight")}
+    assert len(wo) == T5_WO and set(wo.values()) == {FP16}
 
 
 # --- the what-if ---------------------------------------------------------------------------

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +24,10 @@ from pytest_fp32keep.check.zoo import (
     available_entries,
     transformers_version,
 )
+from pytest_fp32keep.check.zoo.entry import KeepExpectation
 
 ALL_NAMES = list(ZOO)
+_NONE = KeepExpectation("", (), ())  # stands for "no row": nothing kept, nothing refused
 
 
 def _available(name: str) -> ZooEntry:
@@ -171,3 +175,97 @@ def test_entry_declares_what_it_is_in_the_zoo_for(name: str) -> None:
         assert declared == set()
     else:
         assert declared, f"{entry.model_class} declares nothing in {transformers_version()}"
+
+
+def disagreements(entry: ZooEntry, dtype: torch.dtype) -> list[str]:
+    """Where the plan under test (and the layout it leads to) differs from what the entry's
+    table, written from the semantics doc, says the installed Transformers does."""
+    from fp32keep import KeepLayoutError, keep_aware_cast, plan_layout, resolve_keep_plan
+
+    expected = entry.expectation(dtype)
+    model = entry.build()
+    plan = resolve_keep_plan(model, dtype)
+    names = sorted(plan.names)
+    found: list[str] = []
+    if expected is None:
+        found += [f"kept {name}, the table keeps nothing" for name in names]
+    elif expected.kept is not None:
+        found += [
+            f"kept {name}, matched by no pattern" for name in names if not expected.matches(name)
+        ]
+        found += [
+            f"pattern {pattern!r} matches no kept tensor"
+            for pattern in expected.kept
+            if not any(re.fullmatch(pattern, name) for name in names)
+        ]
+    keep_aware_cast(model, dtype, plan=plan)
+    try:
+        plan_layout(model, plan)
+        refused = None
+    except KeepLayoutError as error:
+        refused = ", ".join(sorted({problem.reason for problem in error.problems}))
+    want = None if expected is None else expected.refusal
+    if refused != want:
+        found.append(f"layout refused for {refused!r}, the table says {want!r}")
+    return found
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", ALL_NAMES)
+def test_plan_agrees_with_the_written_expectation(name: str, dtype: torch.dtype) -> None:
+    """The kept FQNs and the refusal, per release line and dtype, written independently of the
+    plan (from shared/docs/transformers-keep-semantics.md), are what the plan and layout give."""
+    entry = _available(name)
+    assert entry.covers(), (
+        f"{name}: no expectation row covers transformers {transformers_version()}"
+    )
+    assert disagreements(entry, dtype) == []
+    refused = entry.refused_under()
+    assert (dtype in refused) == ((entry.expectation(dtype) or _NONE).refusal is not None)
+    assert entry.expect_layout_error == any(row.refusal for row in entry.expectations)
+
+
+def test_a_wrong_expectation_is_caught() -> None:
+    """The negative control: tables that say too much, too little or the wrong refusal."""
+    t5, rwkv = _available("t5"), _available("rwkv")
+    version = transformers_version()
+    loose = dataclasses.replace(  # T5's 'wo' kept under bf16 too, and every 'wo' bias
+        t5,
+        expectations=(
+            KeepExpectation(f"=={version}", (torch.float16, torch.bfloat16), (r".*\.wo\.bias",)),
+        ),
+    )
+    assert disagreements(loose, torch.bfloat16) == [
+        r"pattern '.*\\.wo\\.bias' matches no kept tensor"
+    ]
+    found = disagreements(loose, torch.float16)
+    assert any(line.startswith("kept encoder.block.0.") for line in found), found
+    unrefused = dataclasses.replace(
+        rwkv, expectations=(KeepExpectation(f"=={version}", (torch.float16,), None),)
+    )
+    assert disagreements(unrefused, torch.float16) == [
+        "layout refused for 'mixed-unit', the table says None"
+    ]
+    assert unrefused.refused_under() == frozenset()  # what fp32keep check would then expect
+    assert rwkv.refused_under() == frozenset({torch.float16})
+    uncovered = dataclasses.replace(rwkv, expectations=(KeepExpectation("<1", (), ()),))
+    assert not uncovered.covers()
+    assert uncovered.refused_under() == frozenset(rwkv.dtypes)  # the 5.1+ gates, by default
+
+
+def test_check_targets_take_refusals_from_the_table_not_the_plan() -> None:
+    """``fp32keep check`` decides "must be refused" from the zoo's table (its rank-side
+    ``_run_case`` calls ``Target.refusal_expected``), never from ``resolve_keep_plan``."""
+    from pytest_fp32keep.check import ranks
+    from pytest_fp32keep.check.targets import zoo_targets
+
+    targets, _ = zoo_targets()
+    by_name = {target.name: target for target in targets}
+    for name, target in by_name.items():
+        assert target.refused_under == ZOO[name].refused_under(), name
+    assert by_name["blip2"].refusal_expected(torch.float16)
+    assert not by_name["blip2"].refusal_expected(torch.bfloat16) or (
+        torch.bfloat16 in ZOO["blip2"].refused_under()
+    )
+    assert not by_name["t5"].refusal_expected(torch.float16)
+    assert "resolve_keep_plan" not in Path(ranks.__file__).read_text()

@@ -9,17 +9,20 @@ peer waiting for the process-group timeout:
    model and which of its tensors are on the meta device;
 2. validate: the source rank reads and checks every entry it needs and broadcasts the verdict;
    meta tensors that nothing would initialise are refused from the agreed data;
-3. materialise: meta tensors (and only those) get storage; ``init_buffers`` runs where needed;
-   every rank reports how that went and which shards it can receive in place;
+3. allocate: meta tensors (and only those) get storage (:mod:`fp32keep.load_meta`), installed
+   in the model at once only where ``init_buffers`` must run on it; every rank reports how that
+   went and which shards it can receive in place;
 4. move (:mod:`fp32keep.load_move`): sharded tensors travel as each rank's own block (from the
    boxes gathered in step 1: any mesh FSDP2 builds, any ``Shard`` dim), replicated ones by
-   broadcast. The destination dtype always wins.
+   broadcast, into that storage; the storage is installed in the model while the first bytes
+   travel, and the ranks agree that it was. The destination dtype always wins.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -28,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fp32keep.errors import StateDictError
+from fp32keep.load_meta import Fresh, allocate
 from fp32keep.load_move import Target, collect_targets, cut_evenly, move, scatters_directly
 from fp32keep.load_validate import (
     Report,
@@ -111,35 +115,26 @@ def _local_report(
     return report, targets
 
 
-def _materialize_meta(model: nn.Module, device: torch.device) -> None:
-    """Give every meta tensor (and nothing else) uninitialised storage on ``device``.
-
-    ``Module.to_empty`` would replace every tensor, real ones included. Going through ``_apply``
-    keeps FSDP2's bookkeeping (``FSDPModule._apply`` re-pads the sharded parameters), and one
-    result per source tensor keeps tied buffers tied.
-    """
-    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def materialize(tensor: torch.Tensor) -> torch.Tensor:
-        if not tensor.is_meta:
-            return tensor
-        if id(tensor) not in made:
-            made[id(tensor)] = (tensor, torch.empty_like(tensor, device=device))
-        return made[id(tensor)][1]
-
-    model._apply(materialize)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-
-
 def _written(before: tuple[torch.Tensor, int], after: torch.Tensor) -> bool:
     tensor, version = before
     return not after.is_meta and (after is not tensor or after._version != version)
 
 
+MATERIALISED = "; nothing was loaded (the meta tensors were materialised, uninitialised)"
+UNCHANGED = "; nothing was loaded (the model is unchanged)"
+
+
 @dataclass
 class _Prepared:
-    """How materialising went on this rank; ``outcome`` is what the other ranks are told."""
+    """How preparing went on this rank; ``outcome`` is what the other ranks are told.
+
+    ``fresh`` holds the storage this rank receives its meta tensors into, installed in the model
+    while the first bytes travel (:mod:`fp32keep.load_meta`); empty when they were installed
+    before (``init_buffers`` needs a real model) or the rank has no meta tensor.
+    """
 
     targets: list[Target]
+    fresh: Fresh = field(default_factory=Fresh)
     problem: str | None = None
     cause: BaseException | None = None
     unwritten: tuple[str, ...] = ()
@@ -159,46 +154,56 @@ def _prepare(
     direct_bytes: int,
     src_rank: int,
 ) -> _Prepared:
-    """Materialise, run ``init_buffers`` where needed; never raises (the ranks agree next)."""
+    """Allocate storage for meta tensors, run ``init_buffers`` where needed; never raises (the
+    ranks agree next)."""
     rank = dist.get_rank()
     needed = [
         i
         for i, t in enumerate(targets)
         if not t.persistent and reports[src_rank].meta[i] and reports[rank].meta[i]
     ]
+    suffix = UNCHANGED
+    fresh = Fresh()
     try:
         if any(reports[rank].meta):
-            _materialize_meta(model, device)
-            targets = collect_targets(model)  # materialising replaced local tensors
+            targets, fresh = allocate(targets, device)
         if needed and init_buffers is not None:
+            # init_buffers writes the model's own buffers: install the storage first (nothing
+            # has been received into it yet, so nothing is left for Fresh.finish to copy).
+            suffix = MATERIALISED
+            fresh.install(model)
+            if fresh.error is not None:
+                raise fresh.error
+            fresh = Fresh()
+            targets = collect_targets(model)
             before = {i: (targets[i].local, targets[i].local._version) for i in needed}
             layout = fingerprint(targets)
             try:
                 init_buffers(model)
             except Exception as exc:
-                problem = f"init_buffers raised on rank {rank}: {_describe(exc)}"
-                return _Prepared(targets, problem, exc)
+                problem = f"init_buffers raised on rank {rank}: {_describe(exc)}{suffix}"
+                return _Prepared(targets, problem=problem, cause=exc)
             targets = collect_targets(model)
             if fingerprint(targets) != layout:
                 problem = (
                     f"init_buffers changed the model on rank {rank} (names, shapes or dtypes); "
-                    "it must only write the buffers' values"
+                    f"it must only write the buffers' values{suffix}"
                 )
-                return _Prepared(targets, problem)
+                return _Prepared(targets, problem=problem)
             unwritten = tuple(
                 targets[i].key for i in needed if not _written(before[i], targets[i].local)
             )
             if unwritten:
                 problem = (
                     f"init_buffers left these buffers unwritten on rank {rank}: "
-                    f"{list(unwritten)}; it must fill (or re-register) every one of them"
+                    f"{list(unwritten)}; it must fill (or re-register) every one of them{suffix}"
                 )
-                return _Prepared(targets, problem, unwritten=unwritten)
+                return _Prepared(targets, problem=problem, unwritten=unwritten)
         mask = bytes(int(scatters_directly(t, device, direct_bytes)) for t in targets)
-    except Exception as exc:  # out of memory while materialising, for one
-        problem = f"preparing the model raised on rank {rank}: {_describe(exc)}"
-        return _Prepared(targets, problem, exc)
-    return _Prepared(targets, direct_mask=mask)
+    except Exception as exc:  # out of memory while allocating, for one
+        problem = f"preparing the model raised on rank {rank}: {_describe(exc)}{suffix}"
+        return _Prepared(targets, problem=problem, cause=exc)
+    return _Prepared(targets, fresh, direct_mask=mask)
 
 
 def _describe(exc: BaseException) -> str:
@@ -241,7 +246,10 @@ def load_full_state_dict(
 
     Meta-device models (any rank, any mix: ``torch.device("meta")``, accelerate's
     ``init_empty_weights``) are supported. Only meta tensors are materialised (on the CPU when
-    ``cpu_offload``, else on the collective's device); real tensors are never replaced.
+    ``cpu_offload``, else on the collective's device); real tensors are never replaced. Their
+    storage is allocated before anything moves (a failure there is refused on every rank, the
+    model unchanged), receives the bytes directly, and is installed in the model while the
+    transfer runs (:mod:`fp32keep.load_meta`).
 
     * A persistent meta tensor is filled from the dict; one missing from it under
       ``strict=False`` would stay uninitialised, so it is refused on every rank (naming it and
@@ -323,11 +331,7 @@ def load_full_state_dict(
     outcomes = [outcome for outcome in gathered if outcome is not None]
     for problem, unwritten, _ in outcomes:  # the lowest rank's problem, raised on every rank
         if problem is not None:
-            raise StateDictError(
-                f"{problem}; nothing was loaded (the meta tensors were materialised, "
-                "uninitialised)",
-                uninitialized=unwritten,
-            ) from prepared.cause
+            raise StateDictError(problem, uninitialized=unwritten) from prepared.cause
 
     # Non-persistent buffers travel from the source to the ranks that hold them on meta.
     src_meta, own_meta = reports[src_rank].meta, reports[rank].meta
@@ -362,8 +366,27 @@ def load_full_state_dict(
         src_rank=src_rank,
         device=device,
         bucket_bytes=bucket_bytes,
+        in_flight_work=functools.partial(prepared.fresh.install, model),
     )
+    if any(any(report.meta) for report in reports):
+        _agree_installed(prepared.fresh, len(reports))
+    prepared.fresh.finish()
     return LoadResult(verdict.missing, verdict.unexpected)
+
+
+def _agree_installed(fresh: Fresh, world: int) -> None:
+    """Raise on every rank if installing the received tensors failed on any (one small
+    all-reduce: the lowest failing rank; its own exception is chained there)."""
+    rank = dist.get_rank()
+    failed = torch.tensor([world if fresh.error is None else rank], device=_comm_device())
+    dist.all_reduce(failed, op=dist.ReduceOp.MIN)
+    first = int(failed.item())
+    if first < world:
+        raise StateDictError(
+            f"installing the received tensors in the model raised on rank {first} (its "
+            "exception is chained there); the load is incomplete and the model's meta tensors "
+            "may be partly materialised: build the model again before retrying"
+        ) from fresh.error
 
 
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -42,7 +42,8 @@ class Target:
 
     ``persistent`` is False for a non-persistent buffer: in no state dict, sent from the source
     rank's own model when another rank holds it on the meta device. ``box`` is this rank's block
-    of the full tensor (the whole tensor when it is not sharded).
+    of the full tensor (the whole tensor when it is not sharded). ``registered`` is the tensor the
+    model registers (a sharded parameter's DTensor, whose local shard is ``local``).
     """
 
     names: tuple[str, ...]
@@ -52,6 +53,7 @@ class Target:
     persistent: bool
     local: torch.Tensor = field(repr=False)
     box: Box = ()
+    registered: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def key(self) -> str:
@@ -133,12 +135,19 @@ def collect_targets(model: nn.Module) -> list[Target]:
                     "Use torch.distributed.checkpoint.state_dict.set_model_state_dict"
                 )
             full = tuple(tensor.shape)
-            targets.append(Target(slot.names, full, tensor.dtype, True, True, local, box))
+            targets.append(Target(slot.names, full, tensor.dtype, True, True, local, box, tensor))
         else:
             shape = tuple(tensor.shape)
             targets.append(
                 Target(
-                    slot.names, shape, tensor.dtype, False, slot.persistent, tensor, whole(shape)
+                    slot.names,
+                    shape,
+                    tensor.dtype,
+                    False,
+                    slot.persistent,
+                    tensor,
+                    whole(shape),
+                    tensor,
                 )
             )
     # Collectives pair tensors by position, so every rank must list them in the same order, and
@@ -294,12 +303,15 @@ def scatter_directly(
     src_rank: int,
     device: torch.device,
     window_bytes: int,
+    in_flight_work: Callable[[], None] = lambda: None,
 ) -> None:
     """One asynchronous scatter per tensor into each rank's local shard.
 
     The scatter inputs are row ranges of the checkpoint's own tensors (views; replicas of one
     shard share one), so nothing is packed; only a dtype or device change makes a copy, and at
-    most ``window_bytes`` of such copies are in flight on the source rank.
+    most ``window_bytes`` of such copies are in flight on the source rank. ``in_flight_work``
+    runs once every scatter is posted, before the first wait: work that reads none of the
+    received values overlaps the transfer there.
     """
     in_flight: list[tuple[dist.Work, list[torch.Tensor] | None]] = []
     pending = 0
@@ -328,6 +340,7 @@ def scatter_directly(
             for done, _ in in_flight:
                 done.wait()
             in_flight, pending = [], 0
+    in_flight_work()
     for done, _ in in_flight:
         done.wait()
 
@@ -344,14 +357,18 @@ def move(
     src_rank: int,
     device: torch.device,
     bucket_bytes: int,
+    in_flight_work: Callable[[], None] = lambda: None,
 ) -> None:
     """Send every target in ``present`` from ``src_rank`` into place on every rank.
 
     ``direct`` (a subset of ``present``, agreed by every rank) is scattered straight into place;
     ``keep`` lists targets this rank receives but must not write (its own copy is real);
-    ``boxes[r][i]`` is rank ``r``'s block of target ``i``.
+    ``boxes[r][i]`` is rank ``r``'s block of target ``i``. ``in_flight_work`` runs while the
+    direct scatters are on the wire (see :func:`scatter_directly`).
     """
-    scatter_directly(targets, direct, source, boxes, rank, src_rank, device, bucket_bytes)
+    scatter_directly(
+        targets, direct, source, boxes, rank, src_rank, device, bucket_bytes, in_flight_work
+    )
     chosen = set(direct)
     for sharded in (True, False):
         indices = [i for i in present if targets[i].sharded == sharded and i not in chosen]

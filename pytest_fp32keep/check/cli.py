@@ -438,12 +438,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.list and _families_asked(args):
         return _list_families(args)
     if args.list:
+        from pytest_fp32keep.check.ranks import DTYPES
         from pytest_fp32keep.check.targets import zoo_targets
 
         targets, unavailable = zoo_targets()
         for target in targets:
-            note = "  (expects KeepLayoutError where its plan keeps anything)"
-            note = note if target.expect_layout_error else ""
+            refused = [name for name, dtype in DTYPES.items() if target.refusal_expected(dtype)]
+            note = f"  (expects KeepLayoutError at {', '.join(refused)})" if refused else ""
             print(f"{target.name}{note}")
         for name, reason in unavailable.items():
             print(f"{name}  (unavailable: {reason})")

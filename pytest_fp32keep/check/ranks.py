@@ -1,5 +1,10 @@
 """The rank side of ``fp32keep check``: run every case of the contract, rank 0 writes results.
 
+Every rank judges every case; after each case, each rank's account is gathered to rank 0
+(``gather_object``, bounded by the process group's timeout like every collective here) and
+merged there (:func:`pytest_fp32keep.check.rank_verdicts.merge_case`): a case passes only if it
+passed on every rank, and a row the ranks disagree on names the ranks that failed.
+
 Launched by :mod:`pytest_fp32keep.check.cli` through :mod:`pytest_fp32keep.runner.processes` as
 ``torchrun ... --nproc-per-node=N -m pytest_fp32keep.check.ranks SPEC OUT``.
 
@@ -41,7 +46,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from fp32keep import KeepLayoutError, resolve_keep_plan
+from fp32keep import KeepLayoutError
+from pytest_fp32keep.check.rank_verdicts import merge_case
 from pytest_fp32keep.check.render import progress_line
 from pytest_fp32keep.check.targets import Target, resolve_targets
 from pytest_fp32keep.contract import CHECKS, ContractViolation, assert_fp32_keep_contract
@@ -129,8 +135,8 @@ def _run_case(
         "target": target.name,
         "dtype": dtype_name,
         "context": f"{'autocast' if autocast else 'direct'}{', prefetch' if prefetch else ''}",
-        "expect_layout_error": target.expect_layout_error
-        and not resolve_keep_plan(target.build(), DTYPES[dtype_name]).is_empty,
+        # from the zoo's written expectations, never from the plan under test
+        "expect_layout_error": target.refusal_expected(DTYPES[dtype_name]),
         "status": {},
         "kept": [],
         "failures": [],
@@ -163,13 +169,23 @@ def _run_case(
     else:
         case["outcome"] = "pass"
     case["ok"] = case["outcome"] == "pass" and not case["expect_layout_error"]
-    case["status"] = {check: report.status()[check] for check in CHECKS}
+    case["status"] = {check: report.checked()[check] for check in CHECKS}  # None: not run
     case["kept"] = [row.to_dict() for row in report.kept]
     case["failures"] = [finding.to_dict() for finding in report.failures]
     case["notes"] = list(report.notes)
     if case["expect_layout_error"]:
         case["message"] = "expected apply_fsdp2 to refuse this layout with KeepLayoutError"
     return case
+
+
+def _gather_case(case: dict[str, Any]) -> dict[str, Any] | None:
+    """Every rank's ``case`` gathered to rank 0 and merged there (a collective: every rank calls
+    it after each case, which also keeps the ranks in step); ``None`` on the other ranks."""
+    rank = dist.get_rank()
+    gathered: list[Any] = [None] * dist.get_world_size() if rank == 0 else []
+    dist.gather_object(case, gathered if rank == 0 else None, dst=0)
+    dist.barrier()  # no rank starts the next case before rank 0 has the accounts of this one
+    return merge_case(gathered) if rank == 0 else None
 
 
 def _view_warnings(counts: Counter[str]) -> dict[str, Any]:
@@ -198,11 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     cases = []
     with ViewWarnings() as recorded:
         for index, run in enumerate(runs, start=1):
-            cases.append(_run_case(*run, device, spec.get("master_dtype")))
-            if spec.get("progress") and dist.get_rank() == 0:
+            merged = _gather_case(_run_case(*run, device, spec.get("master_dtype")))
+            if merged is None:
+                continue  # not rank 0: rank 0 holds every rank's account
+            cases.append(merged)
+            if spec.get("progress"):
                 line = progress_line(index, len(runs), cases[-1], int(spec.get("width", 100)))
                 print(line, flush=True)
-            dist.barrier()
     view_warnings = _view_warnings(recorded.counts)
     if dist.get_rank() == 0:
         result = {

@@ -19,6 +19,7 @@ from pytest_fp32keep.check.layout import (
     table_width,
     wrap_text,
 )
+from pytest_fp32keep.check.rank_verdicts import disagreement, ranks_label
 
 CHECK_COLUMNS = ("stored", "materialized", "boundary", "operators", "parity", "round trip")
 #: The terminal's headers for the checks (the full names do not fit 80 columns; the legend
@@ -51,12 +52,16 @@ def kept_summary(case: dict[str, Any]) -> str:
 
 
 def case_result(case: dict[str, Any]) -> str:
-    """The result cell of one case."""
+    """The result cell of one case; ``FAIL (rank 1)`` when only some ranks failed it."""
     if case["outcome"] == "refused":
-        return "pass (refused)" if case["ok"] else "FAIL (refused)"
-    if case["expect_layout_error"]:
-        return "FAIL (not refused)"
-    return {"pass": "pass", "fail": "FAIL", "error": "ERROR"}[case["outcome"]]
+        result = "pass (refused)" if case["ok"] else "FAIL (refused)"
+    elif case["expect_layout_error"]:
+        result = "FAIL (not refused)"
+    else:
+        result = {"pass": "pass", "fail": "FAIL", "error": "ERROR"}[case["outcome"]]
+    if not case.get("ranks_agree", True) and case.get("failed_ranks"):
+        result += f" ({ranks_label(case['failed_ranks'])})"
+    return result
 
 
 def case_title(case: dict[str, Any]) -> str:
@@ -202,11 +207,16 @@ def notes(result: dict[str, Any]) -> list[str]:
 
 
 def _finding_lines(case: dict[str, Any]) -> list[str]:
-    return [
-        f"- `{finding['check']}` {finding['subject']}: expected {finding['expected']}, "
-        f"observed {finding['observed']}"
-        for finding in case.get("failures", [])[:20]
-    ]
+    """Where the ranks disagree, a line saying how each rank ended, and each finding its ranks."""
+    split = disagreement(case)
+    lines = [f"- ranks disagree: {split}"] if split else []
+    for finding in case.get("failures", [])[:20]:
+        where = f" [{ranks_label(finding['ranks'])}]" if split and finding.get("ranks") else ""
+        lines.append(
+            f"- `{finding['check']}` {finding['subject']}{where}: expected "
+            f"{finding['expected']}, observed {finding['observed']}"
+        )
+    return lines
 
 
 def _message(case: dict[str, Any]) -> str:

@@ -33,16 +33,29 @@ class Target:
         name: how the target is shown (zoo name, or the ``module:factory`` string).
         build: builds the FP32, unsharded model.
         make_batch: builds one batch from the model.
-        expect_layout_error: FSDP2 cannot keep this model's plan: wherever the plan keeps
-            anything (which dtypes that is depends on the installed Transformers), the check
-            passes only if ``apply_fsdp2`` refuses it with ``KeepLayoutError``; where the plan
-            is empty the contract must hold as for any model.
+        expect_layout_error: FSDP2 cannot hold this model's kept tensors as units of their
+            own (a layout, whatever the dtype).
+        refused_under: the dtypes under which ``apply_fsdp2`` must refuse the model with
+            ``KeepLayoutError`` in the installed Transformers, from a source independent of
+            the plan under test (the zoo's :class:`~pytest_fp32keep.check.zoo.entry.
+            KeepExpectation` table); under any other dtype the contract must hold as for any
+            model. ``None`` where there is no such source (a user's ``module:factory``, a
+            family without a zoo entry of its class): then a refusal is expected under every
+            dtype if ``expect_layout_error``, else under none (:meth:`refusal_expected`).
     """
 
     name: str
     build: Callable[[], nn.Module]
     make_batch: Callable[[nn.Module], Any]
     expect_layout_error: bool = False
+    refused_under: frozenset[torch.dtype] | None = None
+
+    def refusal_expected(self, dtype: torch.dtype) -> bool:
+        """Whether the check passes only if ``apply_fsdp2`` refuses this model under ``dtype``;
+        decided without resolving the plan that is under test."""
+        if self.refused_under is None:
+            return self.expect_layout_error
+        return dtype in self.refused_under
 
 
 def _language_model_batch(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -122,7 +135,13 @@ def zoo_targets(names: list[str] | None = None) -> tuple[list[Target], Mapping[s
         raise TargetError(f"unknown zoo entries {unknown}; the zoo has {sorted(ZOO)}")
     availability = available_entries(names)
     targets = [
-        Target(entry.name, entry.build, partial(_zoo_batch, entry), entry.expect_layout_error)
+        Target(
+            entry.name,
+            entry.build,
+            partial(_zoo_batch, entry),
+            entry.expect_layout_error,
+            entry.refused_under(),
+        )
         for entry in availability.available.values()
     ]
     return targets, availability.unavailable
@@ -168,17 +187,22 @@ def family_availability(names: list[str]) -> tuple[list[str], Mapping[str, str]]
 def family_targets(names: list[str]) -> list[Target]:
     """The families ``names`` as targets (built lazily; the caller probed them)."""
     from pytest_fp32keep.check.families import family_entry
+    from pytest_fp32keep.check.zoo import ZOO
 
     _check_families(names)
     targets = []
     for name in names:
         entry = family_entry(name)
+        # A family with a curated zoo entry of the same class takes its written refusals.
+        curated = [z.refused_under() for z in ZOO.values() if z.model_class == entry.model_class]
+        # (family_entry set expect_layout_error from the same zoo entries)
         targets.append(
             Target(
                 family_spec(name),
                 entry.build,
                 partial(_zoo_batch, entry),
                 entry.expect_layout_error,
+                curated[0] if curated else None,
             )
         )
     return targets

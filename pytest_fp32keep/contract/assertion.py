@@ -1,10 +1,12 @@
 """The precision contract, checked end to end on one model in every rank of a mesh.
 
-:func:`assert_fp32_keep_contract` builds the model twice from the same weights: an FSDP2-sharded
-copy made by the implementation under test (by default ``fp32keep``'s keep-aware cast, wrapping
-and loader) and an unsharded reference cast the correct keep-aware way. It runs forward and
-backward in both, in the same context, and checks every item of the contract in
-``shared/docs/design.md``:
+:func:`assert_fp32_keep_contract` builds the model twice: an FSDP2-sharded copy made by the
+implementation under test (by default ``fp32keep``'s keep-aware cast, wrapping and loader) and an
+unsharded reference cast the correct keep-aware way. With the round trip on, the sharded copy
+loads, before its first forward, a checkpoint of weights it was not built with
+(:mod:`.weights`), and the reference holds the same ones, so the forward proves the model
+computes with what it loaded. It runs forward and backward in both, in the same context, and
+checks every item of the contract in ``shared/docs/design.md``:
 
 * ``stored``: every kept tensor's local shard (or buffer) is FP32; every other tensor is stored
   exactly as the reference stores it, or, under ``master_dtype=torch.float32`` (FP32 master
@@ -20,13 +22,18 @@ backward in both, in the same context, and checks every item of the contract in
   rounds; T5's shared position bias makes autograd accumulate in another order) — no further
   from the reference than the control is (``docs/contract.md`` gives the argument);
 * ``round trip``: loading a low-precision full state dict and gathering it back is exact, and the
-  destination dtype wins for every alias.
+  destination dtype wins for every alias;
+* ``crashed``: no step raised. Each step (build, batch, reference, cast, shard, load, forward,
+  backward) runs on every rank and the ranks agree, in one bounded collective, on whether it
+  raised anywhere (:mod:`.verdicts`); a crash is a row on every rank, naming the step, the
+  exception and the ranks, and the steps that need it do not run.
 
 The implementation under test is pluggable (``cast``, ``shard``, ``load``) so that a training
 framework can check its own wrapping, and so that known-wrong implementations (the negative
 controls) can prove the check fails.
 
-This module is the orchestrator only: it builds the two models, runs them (:mod:`.steps`), hands
+This module is the orchestrator only: it builds the two models, runs the steps through the
+ranks' agreement (:mod:`.verdicts`, :mod:`.steps`), hands
 the runs to the checks (one module per family under :mod:`.checks`, the gradient bounds in
 :mod:`.parity_policy` from the control in :mod:`.control`) and collects their findings into a
 :class:`~.report.ContractReport`.
@@ -59,6 +66,7 @@ from pytest_fp32keep.contract.report import ContractReport, ContractViolation, F
 from pytest_fp32keep.contract.steps import (
     CastFn,
     LoadFn,
+    Pass,
     Run,
     ShardFn,
     default_cast,
@@ -71,63 +79,188 @@ from pytest_fp32keep.contract.steps import (
     set_prefetch,
     to_device,
 )
+from pytest_fp32keep.contract.verdicts import (
+    STEPS,
+    Agreement,
+    batch_fingerprint,
+    batch_problem,
+)
+from pytest_fp32keep.contract.weights import loaded_weights, loading, low_precision
 
 
 @dataclasses.dataclass(frozen=True)
 class _Models:
-    """The model under test and its reference, built from the same weights."""
+    """The model under test and its reference, holding the same weights once loaded."""
 
-    model: nn.Module  # cast and sharded by the implementation under test
-    reference: nn.Module  # unsharded, cast the correct keep-aware way
+    model: nn.Module  # cast, sharded and loaded by the implementation under test
+    reference: nn.Module  # unsharded, cast the correct keep-aware way, the checkpoint loaded
     plan: KeepPlan
-    pristine: dict[str, torch.Tensor]  # the weights as built, before any cast
+    checkpoint: dict[str, torch.Tensor] | None  # what `load` gets a copy of; None: no load
+    factory: Callable[[], nn.Module]  # builds what the control starts from
     device: torch.device
 
 
 def _build_models(
     model_factory: Callable[[], nn.Module],
     *,
-    mesh: DeviceMesh,
+    device: torch.device,
     dtype: torch.dtype,
-    policy: MixedPrecisionPolicy,
-    wrap: WrapSpec | None,
-    forward_prefetch: bool,
     seed: int,
-    cast: CastFn,
-    shard: ShardFn,
+    check_state_dict: bool,
 ) -> _Models:
-    """Build the model under ``seed``, copy it into the reference, cast both and shard one."""
-    device = device_of(mesh)
+    """Build the model under ``seed``, copy it into the reference (cast keep-aware) and, when
+    the round trip is checked, load the reference with weights the model was not built with."""
     with seeded(seed):
         model = model_factory().to(device)
-    pristine = {name: t.detach().clone() for name, t in model.state_dict().items()}
     plan = fp32keep.resolve_keep_plan(model, dtype)
     reference = build_unsharded_reference(model)
     fp32keep.keep_aware_cast(reference, dtype, plan=plan)  # the oracle is always cast correctly
-    cast(model, dtype, plan)
-    shard(model, mesh=mesh, mp_policy=policy, plan=plan, wrap=wrap)
-    set_prefetch(model, forward_prefetch)
-    return _Models(model, reference, plan, pristine, device)
+    if not check_state_dict:
+        return _Models(model, reference, plan, None, model_factory, device)
+    checkpoint = low_precision(loaded_weights(model_factory, model, seed, device), dtype)
+    reference.load_state_dict(checkpoint)  # each tensor copied into its destination dtype
+    return _Models(model, reference, plan, checkpoint, loading(model_factory, checkpoint), device)
 
 
-def _run_both(
-    models: _Models,
-    batch: Any,
-    *,
-    autocast: bool,
-    dtype: torch.dtype,
-    loss_fn: Callable[[Any], torch.Tensor] | None,
-) -> tuple[Run, Run]:
-    """Forward and backward in the model under test, then in the reference."""
-    run = functools.partial(
-        forward_backward,
-        batch=batch,
-        autocast=autocast,
-        device=models.device,
-        dtype=dtype,
-        loss_fn=loss_fn,
-    )
-    return run(models.model), run(models.reference)
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """What every step needs: the arguments of one contract call, after validation."""
+
+    mesh: DeviceMesh
+    dtype: torch.dtype
+    autocast: bool
+    forward_prefetch: bool
+    policy: MixedPrecisionPolicy
+    wrap: WrapSpec | None
+    loss_fn: Callable[[Any], torch.Tensor] | None
+    master_dtype: torch.dtype | None
+    seed: int
+    cast: CastFn
+    shard: ShardFn
+    load: LoadFn
+
+
+@dataclasses.dataclass
+class _Steps:
+    """The steps of one contract call, each run through the ranks' :class:`Agreement`."""
+
+    setup: _Setup
+    agreement: Agreement
+    models: _Models
+    findings: list[Finding] = dataclasses.field(default_factory=list)
+    batch: Any = None
+    expected: Run | None = None
+    observed: Run | None = None
+
+    def _pass(self, model: nn.Module) -> Pass:
+        s = self.setup
+        return Pass(
+            model,
+            self.batch,
+            autocast=s.autocast,
+            device=self.models.device,
+            dtype=s.dtype,
+            loss_fn=s.loss_fn,
+        )
+
+    def make_batch(self, batch_factory: Callable[[nn.Module], Any]) -> None:
+        """``batch``: built from the reference; every rank's must be the same (else raise)."""
+        device = self.models.device
+        self.batch, fingerprints = self.agreement.step(
+            "batch",
+            lambda: to_device(batch_factory(self.models.reference), device),
+            batch_fingerprint,
+        )
+        problem = batch_problem(fingerprints, self.agreement.ranks) if fingerprints else None
+        if problem is not None:  # raised on every rank, before anything else runs
+            raise ValueError(problem)
+
+    def run_reference(self) -> None:
+        """``reference``: the reference's forward and backward (the gradients as masters)."""
+        if not self.agreement.runs("reference"):
+            return
+        s, m = self.setup, self.models
+        expected, _ = self.agreement.step(
+            "reference",
+            lambda: forward_backward(
+                m.reference,
+                self.batch,
+                autocast=s.autocast,
+                device=m.device,
+                dtype=s.dtype,
+                loss_fn=s.loss_fn,
+            ),
+        )
+        if expected is not None:
+            expected.grads = as_master_grads(
+                expected.grads, self.models.plan, self.setup.master_dtype
+            )
+        self.expected = expected
+
+    def prepare(self) -> None:
+        """``cast``, ``shard`` and ``load`` (with the round trip), then what is stored."""
+        s, m = self.setup, self.models
+        if self.agreement.runs("cast"):
+            self.agreement.step("cast", lambda: s.cast(m.model, s.dtype, m.plan))
+        sharded = False
+        if self.agreement.runs("shard"):
+
+            def shard() -> None:
+                s.shard(m.model, mesh=s.mesh, mp_policy=s.policy, plan=m.plan, wrap=s.wrap)
+                set_prefetch(m.model, s.forward_prefetch)
+
+            self.agreement.step("shard", shard)
+            sharded = not self.agreement.crashed or self.agreement.crashes[0].step != "shard"
+        checkpoint = m.checkpoint
+        if checkpoint is not None and self.agreement.runs("load"):
+            trip, _ = self.agreement.step(
+                "load", lambda: check_round_trip(m.model, checkpoint, s.load)
+            )
+            self.findings += trip or []
+        if sharded:  # at rest after cast, shard and load
+            self.findings += check_stored(m.model, m.reference, m.plan, s.master_dtype)
+
+    def run_model(self) -> None:
+        """``forward`` and ``backward`` of the model under test, each its own step."""
+        if not self.agreement.runs("forward"):
+            return
+        under_test = self._pass(self.models.model)
+        self.agreement.step("forward", under_test.forward)
+        if self.agreement.runs("backward"):
+            self.observed, _ = self.agreement.step("backward", under_test.backward)
+
+    def compare(self) -> tuple[list[str], dict[str, str]]:
+        """The findings that compare the two runs (none unless both completed)."""
+        s, m, expected, observed = self.setup, self.models, self.expected, self.observed
+        if expected is None or observed is None:
+            return [], {}
+
+        def control() -> dict[str, float]:
+            grads = control_gradients(
+                m.factory,
+                self.batch,
+                units=unit_layout(m.model),
+                mesh=s.mesh,
+                dtype=s.dtype,
+                master_dtype=s.master_dtype,
+                plan=m.plan,
+                policy=s.policy,
+                autocast=s.autocast,
+                loss_fn=s.loss_fn,
+                seed=s.seed,
+            )
+            return control_errors(grads, expected.grads)
+
+        compared, notes, seen = _compare_runs(
+            m,
+            observed,
+            expected,
+            policy=s.policy,
+            control=control,
+            on_any_rank=functools.partial(self.agreement.on_any_rank, "parity control"),
+        )
+        self.findings += compared
+        return notes, seen
 
 
 def _compare_runs(
@@ -137,6 +270,7 @@ def _compare_runs(
     *,
     policy: MixedPrecisionPolicy,
     control: Callable[[], Mapping[str, float]],
+    on_any_rank: Callable[[bool], bool],
 ) -> tuple[list[Finding], list[str], dict[str, str]]:
     """The materialized, boundary, operators and parity findings, the notes, and the dtype each
     parameter was all-gathered in."""
@@ -146,7 +280,7 @@ def _compare_runs(
         expected.probe, observed.probe, None if not policy.cast_forward_inputs else kept
     )
     findings += check_operators(expected.probe, observed.probe, kept)
-    parity, notes = check_parity(observed, expected, control)
+    parity, notes = check_parity(observed, expected, control, on_any_rank)
     findings += parity
     return findings, notes, seen
 
@@ -194,7 +328,8 @@ def assert_fp32_keep_contract(
         batch_factory: builds one batch from the unsharded reference, already cast keep-aware
             (kept tensors FP32, the others in ``dtype``, whatever ``master_dtype``), e.g. reading
             its config or its dtype: a mapping of keyword arguments, a tuple of
-            positional arguments, or one tensor. Every rank must build the same batch.
+            positional arguments, or one tensor. Every rank must build the same batch: the
+            ranks compare a hash of each entry's shape, dtype and bytes before anything runs.
         mesh: the 1-D data-parallel mesh (the ``fsdp2_mesh`` fixture).
         dtype: the low-precision dtype: the compute dtype, and the storage dtype of the tensors
             that are not kept (unless ``master_dtype`` says otherwise).
@@ -208,7 +343,13 @@ def assert_fp32_keep_contract(
         wrap: standard wrap targets (default: ``_no_split_modules``).
         loss_fn: loss from the model output; default: ``output.loss`` if present, else the mean
             square of the logits (first floating output).
-        check_state_dict: also check the full-state-dict round trip.
+        check_state_dict: also check the full-state-dict round trip: before the first forward,
+            ``load`` gets (on rank 0; ``None`` elsewhere) a fresh copy of a low-precision
+            checkpoint of other weights (the factory under ``seed + 1``, every parameter that
+            came out equal shifted), which it may rewrite: it is never read back. The reference
+            and the control hold the same weights, so the forward, ``parity`` and ``stored``
+            rows hold only if the model computes with what it loaded. ``False``: nothing is
+            loaded and both compute with the weights built under ``seed``.
         seed: seed for building the model.
         cast, shard, load: the implementation under test; default: ``fp32keep``'s (under
             ``master_dtype=torch.float32`` the default cast is keep-aware followed by
@@ -218,14 +359,27 @@ def assert_fp32_keep_contract(
             trainable parameter stored in FP32, the policy's ``param_dtype`` casts for compute;
             gradients are expected in FP32). Kept tensors are judged the same way under both.
 
+    Every outcome is a verdict: an exception in a step (building the models, the batch, the
+    reference's run, ``cast``, ``shard``, ``load`` with the gather back, the model's forward or
+    backward), on any rank, is a ``crashed`` finding on every rank (subject: the step;
+    observed: the exception's type, its first line and the ranks that raised it), agreed after
+    each step in one collective bounded by
+    :data:`~pytest_fp32keep.contract.verdicts.AGREE_TIMEOUT_S`; the steps that need the crashed
+    one are not run (the report's notes name them) and the violation is chained to the
+    exception on the ranks that raised it.
+
     Returns:
         The :class:`ContractReport` (every finding, passing ones included).
 
     Raises:
         ContractViolation: an ``AssertionError`` whose message is a table of what broke, for
-            which tensor, expected against observed.
+            which tensor, expected against observed (a crash included), on every rank.
+        KeepLayoutError: the default ``shard`` refused the layout on every rank (the contract's
+            answer to a layout FSDP2 cannot keep, re-raised as is).
         ValueError: ``master_dtype`` is neither ``None`` nor ``torch.float32`` (raised before
-            anything is built).
+            anything is built); or the ranks built different batches ("rank 1 built a
+            different batch: input_ids differ; ... seed your batch_factory"), raised on every
+            rank before the model under test is cast.
     """
     master_dtype = validate_master_dtype(master_dtype)
     if cast is default_cast and master_dtype is not None:
@@ -233,53 +387,51 @@ def assert_fp32_keep_contract(
     policy = mp_policy or MixedPrecisionPolicy(
         param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
     )
-    models = _build_models(
-        model_factory,
-        mesh=mesh,
-        dtype=dtype,
-        policy=policy,
-        wrap=wrap,
-        forward_prefetch=forward_prefetch,
-        seed=seed,
-        cast=cast,
-        shard=shard,
+    setup = _Setup(
+        mesh,
+        dtype,
+        autocast,
+        forward_prefetch,
+        policy,
+        wrap,
+        loss_fn,
+        master_dtype,
+        seed,
+        cast,
+        shard,
+        load,
     )
-    batch = to_device(batch_factory(models.reference), models.device)
-    findings = check_stored(models.model, models.reference, models.plan, master_dtype)
-    observed, expected = _run_both(models, batch, autocast=autocast, dtype=dtype, loss_fn=loss_fn)
-    expected.grads = as_master_grads(expected.grads, models.plan, master_dtype)
-
-    def control() -> dict[str, float]:
-        grads = control_gradients(
-            model_factory,
-            batch,
-            units=unit_layout(models.model),
-            mesh=mesh,
-            dtype=dtype,
-            master_dtype=master_dtype,
-            plan=models.plan,
-            policy=policy,
-            autocast=autocast,
-            loss_fn=loss_fn,
-            seed=seed,
-        )
-        return control_errors(grads, expected.grads)
-
-    compared, notes, seen = _compare_runs(
-        models, observed, expected, policy=policy, control=control
+    planned = [step for step in STEPS if step != "load" or check_state_dict]
+    agreement = Agreement(mesh, planned)
+    device = device_of(mesh)
+    models, _ = agreement.step(
+        "build",
+        lambda: _build_models(
+            model_factory, device=device, dtype=dtype, seed=seed, check_state_dict=check_state_dict
+        ),
     )
-    findings += compared
-    if check_state_dict:
-        findings += check_round_trip(models.model, models.pristine, dtype, load)
-
+    findings: list[Finding] = []
+    notes: list[str] = []
+    seen: dict[str, str] = {}
+    if models is not None:
+        steps = _Steps(setup, agreement, models)
+        steps.make_batch(batch_factory)
+        steps.run_reference()
+        steps.prepare()
+        steps.run_model()
+        notes, seen = steps.compare()
+        findings = steps.findings
+    findings += agreement.findings()
+    notes += agreement.notes()
+    name = getattr(model_factory, "__name__", type(model_factory).__name__)
     report = ContractReport(
-        model_name=type(models.reference).__name__,
+        model_name=type(models.reference).__name__ if models is not None else name,
         dtype=dtype,
         context=describe_context(autocast, forward_prefetch),
-        kept=_kept_rows(models.plan, findings, seen),
+        kept=_kept_rows(models.plan, findings, seen) if models is not None else (),
         findings=tuple(findings),
         notes=tuple(notes),
     )
     if not report.ok:
-        raise ContractViolation(report)
+        raise ContractViolation(report) from agreement.error
     return report

@@ -13,9 +13,12 @@ from typing import Any, Literal
 
 import torch
 
+from pytest_fp32keep.contract.advice import differing_part, what_to_do
 from pytest_fp32keep.contract.probe import dtype_name
 
-CheckName = Literal["stored", "materialized", "boundary", "operators", "parity", "round trip"]
+CheckName = Literal[
+    "stored", "materialized", "boundary", "operators", "parity", "round trip", "crashed"
+]
 CHECKS: tuple[CheckName, ...] = (
     "stored",
     "materialized",
@@ -23,6 +26,7 @@ CHECKS: tuple[CheckName, ...] = (
     "operators",
     "parity",
     "round trip",
+    "crashed",
 )
 
 #: The widest a column of :meth:`ContractReport.table` gets; longer cells wrap.
@@ -112,20 +116,32 @@ class ContractReport:
         return not self.failures
 
     def status(self) -> dict[CheckName, bool]:
-        """Per contract item: passed (True) or not."""
+        """Per contract item: passed (True) or not (an item with no finding did not fail)."""
         return {check: all(f.ok for f in self.findings if f.check == check) for check in CHECKS}
 
-    def table(self, *, failures_only: bool = False) -> str:
+    def checked(self) -> dict[CheckName, bool | None]:
+        """Per contract item: passed, failed, or ``None`` where it has no finding at all (not
+        run, because a step it needs crashed; or nothing to observe)."""
+        ran = {f.check for f in self.findings}
+        return {check: ok if check in ran else None for check, ok in self.status().items()}
+
+    def table(self, *, failures_only: bool = False, highlight: bool = False) -> str:
         """A readable text table of the findings.
 
         Columns are at most :data:`CELL_WIDTH` characters wide; a longer cell continues on the
-        next lines of its row, so nothing a finding says is cut off.
+        next lines of its row, so nothing a finding says is cut off. With ``highlight`` (the
+        violation's message), a long expected/observed pair shows where it differs: the common
+        prefix elided with ``"…"``, the first differing element marked ``»like this«``
+        (:func:`~pytest_fp32keep.contract.advice.differing_part`).
         """
         rows = [f for f in self.findings if not (failures_only and f.ok)]
         header = ("check", "subject", "expected", "observed", "")
-        cells = [header] + [
-            (f.check, f.subject, f.expected, f.observed, "ok" if f.ok else "FAIL") for f in rows
-        ]
+        cells = [header]
+        for f in rows:
+            expected, observed = (
+                differing_part(f.expected, f.observed) if highlight else (f.expected, f.observed)
+            )
+            cells.append((f.check, f.subject, expected, observed, "ok" if f.ok else "FAIL"))
         widths = [min(max(len(row[i]) for row in cells), CELL_WIDTH) for i in range(len(header))]
         lines: list[str] = []
         for row in cells:
@@ -143,9 +159,10 @@ class ContractReport:
         lines = [
             f"FP32-keep contract for {self.model_name} at {dtype_name(self.dtype)} ({self.context})"
         ]
-        for check, passed in self.status().items():
+        for check, passed in self.checked().items():
             count = sum(1 for f in self.findings if f.check == check)
-            lines.append(f"  {check:<12} {'pass' if passed else 'FAIL'} ({count} observations)")
+            shown = {True: "pass", False: "FAIL", None: "-"}[passed]
+            lines.append(f"  {check:<12} {shown} ({count} observations)")
         for row in self.kept:
             lines.append(
                 f"  kept {row.fqn} [{row.list_kind} {row.entry!r}] stored {row.stored}, "
@@ -173,12 +190,23 @@ class ContractReport:
 
 
 class ContractViolation(AssertionError):
-    """The FP32-keep contract does not hold; ``report`` holds every finding."""
+    """The FP32-keep contract does not hold; ``report`` holds every finding.
+
+    The message: the headline ``FP32-keep contract broken for MODEL at DTYPE (CONTEXT): KINDS``,
+    one table of the failing findings (check, subject, expected, observed; long pairs show
+    where they differ), then ``what to do:`` with one line per failing kind (cause and fix).
+    """
 
     def __init__(self, report: ContractReport) -> None:
         self.report = report
-        failed = sorted({f.check for f in report.failures}, key=CHECKS.index)
-        super().__init__(
-            f"FP32-keep contract broken for {report.model_name} at {dtype_name(report.dtype)} "
-            f"({report.context}): {', '.join(failed)}\n" + report.table(failures_only=True)
+        failed = sorted(
+            {f.check for f in report.failures},
+            key=lambda kind: (CHECKS.index(kind) if kind in CHECKS else len(CHECKS), kind),
         )
+        lines = [
+            f"FP32-keep contract broken for {report.model_name} at {dtype_name(report.dtype)} "
+            f"({report.context}): {', '.join(failed)}",
+            report.table(failures_only=True, highlight=True),
+            *what_to_do(failed),
+        ]
+        super().__init__("\n".join(lines))

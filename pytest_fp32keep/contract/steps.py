@@ -3,8 +3,9 @@
 It owns the pluggable implementation (:class:`CastFn`, :class:`ShardFn`, :class:`LoadFn` and
 their ``fp32keep`` defaults), the device helpers (the mesh's device, moving a batch, a DTensor's
 local shard or full tensor), FSDP2 prefetching, the forward context (autocast or direct) and
-:func:`forward_backward`, which runs one model on one batch under a :class:`DtypeProbe` and
-returns the :class:`Run` the checks compare.
+:class:`Pass` (one model's forward and backward on one batch under a :class:`DtypeProbe`, as two
+steps) and :func:`forward_backward` (both at once), which give the :class:`Run` the checks
+compare.
 """
 
 from __future__ import annotations
@@ -199,6 +200,56 @@ class Run:
     probe: DtypeProbe
 
 
+class Pass:
+    """One forward and backward of ``model`` on ``batch`` under a dtype probe, as two steps.
+
+    The contract agrees across ranks between :meth:`forward` and :meth:`backward`, so that a
+    crash in either is named as that step. The probe stays attached from the start of the
+    forward to the end of the backward (or to the crash that ends either).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        batch: Any,
+        *,
+        autocast: bool,
+        device: torch.device,
+        dtype: torch.dtype,
+        loss_fn: Callable[[Any], torch.Tensor] | None,
+    ) -> None:
+        self.model, self.batch = model, batch
+        self._autocast, self._device, self._dtype, self._loss_fn = autocast, device, dtype, loss_fn
+        self.probe = DtypeProbe(model, record_grads=False)
+        self._logits: torch.Tensor | None = None
+        self._loss: torch.Tensor | None = None
+
+    def forward(self) -> None:
+        """Run the forward and compute the loss (the probe attached)."""
+        self.probe.attach()
+        try:
+            with _context(self._autocast, self._device, self._dtype):
+                output = _call(self.model, self.batch)
+                self._logits, self._loss = _logits_and_loss(output, self._loss_fn)
+        except BaseException:
+            self.probe.detach()
+            raise
+
+    def backward(self) -> Run:
+        """Run the backward from the loss; the probe is detached after it, crash or not."""
+        if self._logits is None or self._loss is None:
+            raise RuntimeError("Pass.backward() before a forward() that completed")
+        try:
+            self._loss.backward()  # type: ignore[no-untyped-call]
+        finally:
+            self.probe.detach()
+        grads = {
+            name: (None if param.grad is None else full(param.grad).detach())
+            for name, param in self.model.named_parameters()
+        }
+        return Run(self._logits.detach(), self._loss.detach(), grads, self.probe)
+
+
 def forward_backward(
     model: nn.Module,
     batch: Any,
@@ -209,14 +260,6 @@ def forward_backward(
     loss_fn: Callable[[Any], torch.Tensor] | None,
 ) -> Run:
     """Run ``model`` forward on ``batch`` and backward from its loss, under a dtype probe."""
-    probe = DtypeProbe(model, record_grads=False)
-    with probe:
-        with _context(autocast, device, dtype):
-            output = _call(model, batch)
-            logits, loss = _logits_and_loss(output, loss_fn)
-        loss.backward()  # type: ignore[no-untyped-call]
-    grads = {
-        name: (None if param.grad is None else full(param.grad).detach())
-        for name, param in model.named_parameters()
-    }
-    return Run(logits.detach(), loss.detach(), grads, probe)
+    run = Pass(model, batch, autocast=autocast, device=device, dtype=dtype, loss_fn=loss_fn)
+    run.forward()
+    return run.backward()

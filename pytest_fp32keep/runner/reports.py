@@ -9,7 +9,9 @@ Rules (each one a promise of the issue):
 
 - a phase passes only if every rank passed it;
 - on failure the earliest failing rank is the root cause: its traceback comes first, then every
-  other failing rank's, with identical tracebacks merged into one entry ("ranks 0,1");
+  other failing rank's, with identical tracebacks merged into one entry ("ranks 0,1"), after
+  normalising addresses, rank numbers in paths, ports and temporary folders, and without the
+  contract library's own frames (:mod:`.tracebacks`);
   ranks that were only stuck or killed because of it are listed after, with their stacks;
 - a skip counts only if every rank skipped; a partial skip is a failure naming the ranks;
 - xfail follows pytest: all ranks xfailed -> XFAIL; an expected failure seen on some ranks
@@ -30,6 +32,8 @@ from typing import Any, Final, Literal
 import pytest
 from _pytest._code.code import ReprFileLocation, TerminalRepr
 from _pytest._io import TerminalWriter
+
+from pytest_fp32keep.runner.tracebacks import hide_library_frames, merge_key
 
 Phase = Literal["setup", "call", "teardown"]
 
@@ -187,7 +191,7 @@ class _Entry:
     root: bool = False
 
     def key(self) -> str:
-        return _plain(self.longrepr) + "\n" + self.text
+        return merge_key(_plain(self.longrepr) + "\n" + self.text)
 
 
 class RankFailureRepr(TerminalRepr):
@@ -324,7 +328,7 @@ def _failure(
 
     entries: list[_Entry] = []
     for member in failing:
-        longrepr = member.report.longrepr if member.report is not None else None
+        longrepr = hide_library_frames(member.report.longrepr) if member.report else None
         text = _fault_text(member.fault) if member.fault is not None else ""
         entry = _Entry([member.rank], longrepr, text, root=member is root)
         same = next((e for e in entries if e.key() == entry.key()), None)

@@ -4,9 +4,10 @@ A row is a contract check (``stored``, ``materialized``, ...) and what the faili
 kept tensor or a module that owns one (``materialized (kept)``), any other tensor or module
 (``stored (not kept)``), the model's outputs (``parity (output)``: logits or loss), or the
 contract's own control run, the same units sharded correctly (``parity (control)``: the
-contract could not measure the gradient noise, which is not the framework's doing). A case that
-raises anything but ``ContractViolation`` is a crash, ``crash: TypeName``, with the message and
-the innermost frame kept for the table.
+contract could not measure the gradient noise, which is not the framework's doing). A step of
+the framework that raised is the contract's own ``crashed`` row, shown with the step:
+``crashed (shard)``. A case that still raises anything but ``ContractViolation`` (a refusal) is
+``crash: TypeName``, with the message and the innermost frame kept for the table.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def _kind(subject: str, kept: set[str]) -> str:
 
 
 def _row(finding: Finding, kept: set[str]) -> str:
+    if finding.check == "crashed":  # the subject is the step that raised: "crashed (forward)"
+        return f"crashed ({finding.subject})"
     return f"{finding.check} ({_kind(finding.subject, kept)})"
 
 

@@ -22,9 +22,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 import fp32keep
 from fp32keep import StateDictError
+from fp32keep.load_meta import Fresh
 from pytest_fp32keep.check.zoo.building import instantiate, make_config
 from tests.core.toys import stack_class
 from tests.error_bounds import LIBRARY_BOUND_S
@@ -319,3 +321,107 @@ def test_ranks_that_register_tensors_in_different_orders_load_alike(mesh: Device
     fp32keep.load_full_state_dict(model, checkpoint)
     assert torch.equal(model.alpha, torch.arange(4.0)), model.alpha
     assert torch.equal(model.beta, torch.arange(4.0) + 10), model.beta
+
+
+# --- storage received into first, installed while the bytes travel ----------------------------
+
+
+class _Uneven(nn.Module):
+    """Rows 2 ranks cannot split evenly (rank 1 holds 2 of 5, which FSDP2 pads to 3) and rows
+    they can (4 + 4)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.odd = nn.Linear(4, 5)
+        self.even = nn.Linear(4, 8)
+
+
+#: odd.weight and odd.bias on rank 1: FSDP2's ``_apply`` re-pads them into new storage, so the
+#: loader must copy what it received there; every other shard keeps the storage received into.
+PADDED_ON_RANK_1 = 2
+
+
+def uneven_model(mesh: DeviceMesh, meta_ranks: tuple[int, ...]) -> nn.Module:
+    torch.manual_seed(0)
+    where = torch.device("meta") if rank() in meta_ranks else contextlib.nullcontext()
+    with where:
+        model = _Uneven()
+    fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=FP32_POLICY)
+    return model
+
+
+def uneven_checkpoint(seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return dict(_Uneven().state_dict())
+
+
+def assert_loaded(model: nn.Module, checkpoint: dict[str, torch.Tensor]) -> None:
+    full = fp32keep.gather_full_state_dict(model)
+    assert set(full) == set(checkpoint)
+    for key, value in checkpoint.items():
+        assert torch.equal(full[key], value), f"{key}: {full[key]} != {value}"
+
+
+def spy_on_copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many received tensors each load had to copy into storage ``_apply`` re-allocated."""
+    copied: list[int] = []
+    finish = Fresh.finish
+
+    def counting(self: Fresh) -> None:
+        copied.append(len(self.copies))
+        finish(self)
+
+    monkeypatch.setattr(Fresh, "finish", counting)
+    return copied
+
+
+@pytest.mark.parametrize("direct_bytes", [0, 1 << 20], ids=["direct", "buckets"])
+@pytest.mark.parametrize("meta_ranks", [(1,), (0, 1)], ids=["rank1-meta", "every-rank-meta"])
+def test_meta_shards_receive_straight_into_their_storage(
+    mesh: DeviceMesh,
+    monkeypatch: pytest.MonkeyPatch,
+    meta_ranks: tuple[int, ...],
+    direct_bytes: int,
+) -> None:
+    model = uneven_model(mesh, meta_ranks)
+    checkpoint = uneven_checkpoint(5)
+    copied = spy_on_copies(monkeypatch)
+    given = checkpoint if rank() == 0 else None
+    fp32keep.load_full_state_dict(model, given, direct_bytes=direct_bytes)
+    assert_loaded(model, checkpoint)
+    # Even shards end in the very storage they were received into (no copy); only the shards
+    # FSDP2 pads are copied, once, after every collective.
+    assert copied == [PADDED_ON_RANK_1 if rank() == 1 else 0], copied
+
+
+def test_negative_control_padded_shards_without_the_final_copy_are_wrong(
+    mesh: DeviceMesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loader that trusted the installed tensors to be the received ones fails the check."""
+    model = uneven_model(mesh, (1,))
+    monkeypatch.setattr(Fresh, "finish", lambda self: None)
+    checkpoint = uneven_checkpoint(11) if rank() == 0 else None  # values no rank held before
+    fp32keep.load_full_state_dict(model, checkpoint)
+    with pytest.raises(AssertionError, match=r"odd\.(weight|bias)"):
+        assert_loaded(model, uneven_checkpoint(11))
+
+
+def test_installing_that_fails_on_one_rank_is_an_error_on_every_rank(
+    mesh: DeviceMesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = uneven_model(mesh, (1,))
+    checkpoint = uneven_checkpoint(5) if rank() == 0 else None
+    if rank() == 1:
+
+        def broken(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("no DTensor today")
+
+        monkeypatch.setattr(DTensor, "from_local", broken)
+    error = refused_on_every_rank(
+        lambda: fp32keep.load_full_state_dict(model, checkpoint),
+        StateDictError,
+        r"installing the received tensors in the model raised on rank 1 \(its exception is "
+        r"chained there\); the load is incomplete",
+    )
+    if rank() == 1:
+        assert isinstance(error.__cause__, RuntimeError), error.__cause__

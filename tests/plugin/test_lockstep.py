@@ -10,6 +10,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
+from tests.inner_outcomes import assert_passed, junit_outcomes
 from tests.plugin._inner import InnerProject, failure_section, leftover_processes
 
 INNER_TESTS = """
@@ -281,7 +282,9 @@ def test_junitxml_holds_one_testcase_per_test(
     assert failure.get("message", "").startswith("[rank 1] AssertionError: rank 1 is wrong")
     assert "root cause: rank 1" in (failure.text or "")
     assert cases["test_skip_on_every_rank"].find("skipped") is not None
-    assert cases["test_all_reduce"].find("failure") is None
+    outcomes = junit_outcomes(next(project.path.glob("out.xml")))
+    assert outcomes["test_skip_on_every_rank"].outcome == "skipped"
+    assert_passed(outcomes["test_all_reduce"])  # passed: not failed, not errored, not skipped
 
 
 def test_no_process_left(session: tuple[InnerProject, pytest.RunResult]) -> None:

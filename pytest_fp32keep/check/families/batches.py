@@ -1,4 +1,5 @@
-"""A batch that fits a family's tiny model: causal LM, seq2seq, Q-Former vision-language.
+"""A batch that fits a family's tiny model: causal LM, seq2seq, Q-Former vision-language,
+audio, patch-grid vision-language and whole images (:mod:`.vision`), multi-codebook ids.
 
 Which batch a model gets is read from its config (:func:`batch_kind`), not from a table:
 ``num_query_tokens`` with a ``vision_config`` is a Q-Former model (the zoo's Blip2 batch, whose
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pytest_fp32keep.check.families import vision
 from pytest_fp32keep.check.families.shrink import TEXT_HIGH, TEXT_LOW
 from pytest_fp32keep.check.zoo.batches import (
     BATCH_SIZE,
@@ -35,7 +37,7 @@ from pytest_fp32keep.check.zoo.batches import (
     vision_language_batch,
 )
 
-BATCH_KINDS = ("text", "seq2seq", "qformer", "qformer-video", "audio")
+BATCH_KINDS = ("text", "seq2seq", "qformer", "qformer-video", "audio", "vision-grid")
 #: Frames of a clip for a Q-Former video model (InstructBlipVideo's code assumes 4).
 _VIDEO_FRAMES = 4
 #: Mel frames of a clip for an audio tower without ``max_source_positions``.
@@ -48,6 +50,8 @@ def batch_kind(config: Any) -> str:
     """Which of :data:`BATCH_KINDS` fits a model with ``config``."""
     if getattr(config, "num_query_tokens", None) and getattr(config, "vision_config", None):
         return "qformer-video" if hasattr(config, "video_token_index") else "qformer"
+    if vision.is_patch_grid(config):
+        return "vision-grid"
     if getattr(config, "is_encoder_decoder", False):
         return "seq2seq"
     if getattr(config, "audio_config", None) and getattr(config, "audio_token_id", None):
@@ -94,9 +98,25 @@ def family_batch(model: nn.Module, seed: int | torch.Generator) -> dict[str, tor
     if kind == "audio":
         return _audio_batch(model, config, _generator(seed))
     generator = _generator(seed)
-    input_ids = _text(generator)
-    batch = {"input_ids": input_ids}
+    if kind == "vision-grid":
+        images = vision.grid_pixels(model, config, generator)
+        return vision.placeholder_batch(model, config, images, generator)
     accepted = _forward_parameters(model)
+    # A whole-image tower without placeholder tokens (Udop's patches beside the text):
+    # pixels too, so the tower runs and gets gradients.
+    pixels = (
+        vision.whole_pixels(model, config, generator)
+        if "pixel_values" in accepted
+        and vision.whole_image_size(config) is not None
+        and vision.image_token(config) is None
+        else None
+    )
+    if pixels is not None and "input_ids" not in accepted:
+        return {"pixel_values": pixels}  # an image-only model (SLANeXt's table recogniser)
+    input_ids = _text(generator)
+    batch = {"input_ids": _with_audio_codes(config, input_ids, generator)}
+    if pixels is not None:
+        batch["pixel_values"] = pixels
     if "bbox" in accepted:  # layout models (Udop): one box per token, corners in [0, 1]
         corners = torch.rand((BATCH_SIZE, SEQ_LEN, 2, 2), generator=generator).sort(dim=2).values
         batch["bbox"] = corners.transpose(2, 3).reshape(BATCH_SIZE, SEQ_LEN, 4)
@@ -115,6 +135,18 @@ def family_batch(model: nn.Module, seed: int | torch.Generator) -> dict[str, tor
         batch["labels"] = input_ids.clone()
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     return {key: value.to(device) for key, value in batch.items()}
+
+
+def _with_audio_codes(config: Any, text: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """``text`` with one audio code per codebook beside each token, for a model that embeds
+    ``(batch, seq, 1 + num_codebooks)`` ids and sums them (KyutaiSpeechToText: its codec runs
+    in ``generate`` only, so the training forward takes the codes); else ``text`` itself."""
+    codebooks = getattr(config, "num_codebooks", None)
+    vocab = getattr(config, "codebook_vocab_size", None)
+    if not (isinstance(codebooks, int) and isinstance(vocab, int)):
+        return text
+    codes = torch.randint(0, vocab - 1, (*text.shape, codebooks), generator=generator)
+    return torch.cat([text[..., None], codes], dim=-1)
 
 
 def _audio_batch(model: nn.Module, config: Any, generator: torch.Generator) -> dict[str, Any]:
@@ -149,6 +181,10 @@ def _audio_embeddings(model: nn.Module, batch: dict[str, Any]) -> int:
     # 4.x's Voxtral names it get_audio_embeds.
     get: Any = getattr(model, "get_audio_features", None) or model.get_audio_embeds
     accepted = frozenset(inspect.signature(get).parameters)
+    if "input_ids" in accepted:
+        # MusicFlamingo places its time embeddings by the placeholders, so it cannot count
+        # them first: its tower's own output lengths (after conv and pooling) say how many.
+        return _tower_lengths(model, batch)
     arguments = {
         key: value for key, value in batch.items() if key in accepted or "args" in accepted
     }
@@ -160,6 +196,18 @@ def _audio_embeddings(model: nn.Module, batch: dict[str, Any]) -> int:
     if tensor is None:
         tensor = out if isinstance(out, torch.Tensor) else out[0]
     return int(tensor.reshape(-1, tensor.shape[-1]).shape[0])
+
+
+def _tower_lengths(model: nn.Module, batch: dict[str, Any]) -> int:
+    """The audio tower's output frames for ``batch``'s clips, by its
+    ``_get_feat_extract_output_lengths`` (the last length, when it gives several)."""
+    base: Any = getattr(model, "model", model)
+    tower: Any = getattr(model, "audio_tower", None) or base.audio_tower
+    frames = batch["input_features"].shape[-1]
+    mask = batch.get("input_features_mask")
+    lengths = torch.full((BATCH_SIZE,), frames) if mask is None else mask.sum(-1)
+    out = tower._get_feat_extract_output_lengths(lengths.to(torch.long))
+    return int((out[-1] if isinstance(out, tuple) else out).sum())
 
 
 def _video_batch(model: nn.Module, config: Any, generator: torch.Generator) -> dict[str, Any]:

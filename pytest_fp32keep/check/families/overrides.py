@@ -16,6 +16,30 @@ OVERRIDES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
         # Its default config has no routed experts (a dense model); the keep list is the
         # router's e_score_correction_bias, which exists only with experts.
         "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
+        # Its validator wants the sliding-window layers' head_dim to be the MLA layers'
+        # qk_nope_head_dim + qk_rope_head_dim (8 + 8), a relation of this family only.
+        "dots3_note": {"text_config": {"head_dim": 16}},
+        # Its text config has no M-RoPE sections: the modeling code's default [22, 22, 20]
+        # splits a rotary half of 64; with head_dim 8 they must sum to 4 (HEAD_DIM // 2), and
+        # its 3-D recomposition interleaves h with w, so those two sections are equal.
+        "ernie4_5_vl_moe": {
+            "text_config": {
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 10000.0,
+                    "mrope_section": [1, 1, 2],
+                }
+            }
+        },
+        # Its head decodes max_text_length + 1 steps one by one (500 by default: a minute
+        # per forward on CPU); its neck's output_channels feed post_conv_in_channels, two
+        # fields whose names other configs use for other things, so set together here.
+        "slanext": {
+            "max_text_length": 4,
+            "post_conv_in_channels": 32,
+            "post_conv_out_channels": 32,
+            "vision_config": {"output_channels": 32},
+        },
         # The model code's default M-RoPE sections [8, 12, 12] split a rotary half of 64; with
         # head_dim 8 the whole head rotates and the sections must sum to 4.
         "glm4v_moe": {

@@ -17,7 +17,8 @@ ids (:data:`TEXT_LOW` up to :data:`TEXT_HIGH`) never hit one.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+import copy
+from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -74,7 +75,7 @@ TINY: Mapping[str, Any] = MappingProxyType(
         **dict.fromkeys(
             ("head_dim", "d_kv", "kv_channels", "qk_rope_head_dim", "qk_nope_head_dim"), HEAD_DIM
         ),
-        "v_head_dim": HEAD_DIM,
+        **dict.fromkeys(("v_head_dim", "swa_head_dim"), HEAD_DIM),
         **dict.fromkeys(
             (
                 "intermediate_size",
@@ -83,6 +84,9 @@ TINY: Mapping[str, Any] = MappingProxyType(
                 "encoder_ffn_dim",
                 "decoder_ffn_dim",
                 "n_inner",
+                "mlp_dim",  # SAM-style vision encoders (SLANeXt's)
+                "projector_hidden_size",
+                "projection_hidden_dim",
             ),
             2 * HIDDEN,
         ),
@@ -92,6 +96,7 @@ TINY: Mapping[str, Any] = MappingProxyType(
                 "shared_expert_intermediate_size",
                 "expert_intermediate_size",
                 "moe_ffn_hidden_size",
+                "moe_hidden_size",
             ),
             16,
         ),
@@ -106,23 +111,28 @@ TINY: Mapping[str, Any] = MappingProxyType(
         "mamba_head_dim": 8,
         "n_groups": 1,
         "chunk_size": 8,
+        # linear-attention layers (Kimi-Linear's KDA)
+        "linear_num_heads": HEADS,
+        "linear_head_dim": HEAD_DIM,
         # experts
         **dict.fromkeys(
             ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4
         ),
         **dict.fromkeys(("num_experts_per_tok", "moe_k", "moe_topk", "num_experts_per_token"), 2),
         **dict.fromkeys(("n_shared_experts", "num_shared_experts", "moe_num_shared_experts"), 1),
-        **dict.fromkeys(("n_group", "topk_group"), 1),
+        **dict.fromkeys(("n_group", "topk_group", "num_expert_group"), 1),
         "zero_expert_num": 2,
         **dict.fromkeys(("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index"), 1),
         # vocabulary and vision geometry
-        "vocab_size": VOCAB,
+        **dict.fromkeys(("vocab_size", "unpadded_vocab_size"), VOCAB),
         "image_size": 16,
         "patch_size": 8,
         "num_query_tokens": 4,
         # audio towers (Whisper-style): 2 x max_source_positions mel frames per clip
         "max_source_positions": 16,
         "num_mel_bins": 16,
+        # audio codecs (Encodec, Mimi): the first conv's channels, doubled at each downsampling
+        "num_filters": 4,
         # no randomness: the contract compares runs bit for bit
         **dict.fromkeys(
             (
@@ -150,6 +160,17 @@ _TEXT_SPECIALS: Mapping[str, int] = MappingProxyType(
 #: Placeholder ids that default to ``None`` but that a batch must find in the config.
 _PLACEHOLDERS = frozenset(
     {"image_token_index", "image_token_id", "video_token_index", "audio_token_id"}
+)
+#: Fields that are a tower's width (shrunk to :data:`HIDDEN`).
+_WIDTH_KEYS = ("hidden_size", "d_model", "n_embd", "embed_dim")
+#: Names of fields that may copy a width (:func:`follow_widths`).
+_WIDTH_COPY_SUFFIXES = (
+    "_dim",
+    "hidden_size",
+    "_input_size",
+    "_output_size",
+    "_groups",
+    "_channels",
 )
 _LAYER_COUNT_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "depth")
 
@@ -199,6 +220,10 @@ def shrink_dict(tree: dict[str, Any], overrides: Mapping[str, Any], next_top: li
     a nested mapping under a sub-config's key applies to that sub-config.
     """
     old_layers = _old_layers(tree)
+    # A model without grouped-query attention (kv heads = heads by default) stays so: some
+    # validators refuse GQA (5.24's ESMC).
+    heads = tree.get("num_attention_heads", tree.get("num_heads"))
+    multi_head = _number(heads) and tree.get("num_key_value_heads") == heads
     for key, value in list(tree.items()):
         if _is_sub_config(value):
             continue  # a sub-config: below
@@ -207,7 +232,11 @@ def shrink_dict(tree: dict[str, Any], overrides: Mapping[str, Any], next_top: li
         elif key in TINY and isinstance(value, list) and value and all(map(_number, value)):
             tree[key] = [_smaller(item, TINY[key]) for item in value]  # one per tower
         elif old_layers and isinstance(value, list) and len(value) == old_layers:
-            tree[key] = value[:LAYERS]
+            tree[key] = cut_layers(value)
+        elif old_layers and _is_per_layer_mapping(value, old_layers):
+            tree[key] = {k: v for k, v in value.items() if int(k) < LAYERS}
+    if multi_head:
+        tree["num_key_value_heads"] = tree.get("num_attention_heads", tree.get("num_heads"))
     _consistent(tree)
     _token_ids(tree, next_top)
     for key, value in overrides.items():
@@ -219,6 +248,35 @@ def shrink_dict(tree: dict[str, Any], overrides: Mapping[str, Any], next_top: li
             shrink_dict(
                 value, sub_overrides if isinstance(sub_overrides, Mapping) else {}, next_top
             )
+
+
+def cut_layers(value: list[Any]) -> list[Any]:
+    """A per-layer list cut to :data:`LAYERS` entries, keeping as many kinds of layer as fit.
+
+    The first layers alone are often all of one kind (Kimi-Linear's and Bailing-Hybrid's
+    first full-attention layer is the 4th or 6th): with only linear-attention layers the
+    model's cache has no attention layer to ask its length, and the tiny model would not run
+    the layer kind a full one has. So a list of kinds (strings) keeps its first entry, then
+    the first entry of each other kind, in order, then fills up from the start; any other list
+    keeps its first entries.
+    """
+    if not all(isinstance(item, str) for item in value):
+        return value[:LAYERS]
+    kinds = list(dict.fromkeys(value))
+    picked = [value.index(kind) for kind in kinds][:LAYERS]
+    picked += [index for index in range(len(value)) if index not in picked][: LAYERS - len(picked)]
+    return [value[index] for index in sorted(picked)]
+
+
+def _is_per_layer_mapping(value: Any, old_layers: int) -> bool:
+    """A dict keyed by layer indices (Dots3-Note's ``per_layer_config``)."""
+    return (
+        isinstance(value, dict)
+        and bool(value)
+        and "model_type" not in value
+        and all(isinstance(k, int) or (isinstance(k, str) and k.isdigit()) for k in value)
+        and all(int(k) < old_layers for k in value)
+    )
 
 
 def _is_sub_config(value: Any) -> bool:
@@ -251,6 +309,10 @@ def _consistent(tree: dict[str, Any]) -> None:
     )
     if experts is not None:
         for key in ("num_experts_per_tok", "moe_k", "moe_topk", "num_experts_per_token"):
+            if key in tree and tree[key] is None:
+                # unset by default (5.24's DeepseekV2Config), the checkpoints set it; the
+                # router's topk(k=None) cannot run without it
+                tree[key] = min(TINY[key], experts)
             if isinstance(tree.get(key), int) and tree[key] > experts:
                 tree[key] = experts
     rope = tree.get("rope_parameters") or tree.get("rope_scaling")
@@ -259,6 +321,49 @@ def _consistent(tree: dict[str, Any]) -> None:
         rope["mrope_section"] = _split(HEAD_DIM // 2, len(rope["mrope_section"]))
     if "sliding_window" in tree and isinstance(tree["sliding_window"], int):
         tree["sliding_window"] = min(tree["sliding_window"], 4)
+
+
+def _levels(
+    before: dict[str, Any], after: dict[str, Any]
+) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """Each config level of ``before`` with the same level of ``after``, sub-configs included."""
+    yield before, after
+    for key, value in before.items():
+        if _is_sub_config(value) and _is_sub_config(after.get(key)):
+            yield from _levels(value, after[key])
+
+
+def follow_widths(before: dict[str, Any], after: dict[str, Any]) -> None:
+    """Fields that copy a tower's width take its new width, across the whole config.
+
+    A config often repeats a width under another name, which its validator (5.2x's
+    ``validate_architecture``) or its layers require to be equal: a head's
+    ``audio_hidden_size`` or a vision tower's ``text_hidden_size`` (another tower's
+    ``hidden_size``), a flow head's ``condition_dim`` (its backbone's), a quantizer's
+    ``codebook_dim`` without projections, a depthwise conv's ``upsample_groups`` (one group per
+    channel). Such names are not in :data:`TINY` (most of them are not widths in other
+    configs), so this pass reads the relation from the default values instead: a field named
+    ``*_dim``, ``*hidden_size``, ``*_input_size``, ``*_output_size``, ``*_groups`` or
+    ``*_channels``, left as it was, whose default equals the default width of some level that
+    was shrunk, takes that level's new width.
+    ``before`` is the unshrunk ``to_dict()``; ``after`` the shrunk one, changed in place.
+    """
+    widths: dict[Any, Any] = {}
+    for old, new in _levels(before, after):
+        for key in _WIDTH_KEYS:
+            if _number(old.get(key)) and _number(new.get(key)) and old[key] != new[key]:
+                widths.setdefault(old[key], new[key])
+    for old, new in _levels(before, after):
+        for key, value in old.items():
+            if (
+                key.endswith(_WIDTH_COPY_SUFFIXES)
+                and key not in TINY
+                and isinstance(value, int)
+                and not isinstance(value, bool)
+                and value in widths
+                and new.get(key) == value  # not shrunk, not overridden
+            ):
+                new[key] = widths[value]
 
 
 def _split(total: int, parts: int) -> list[int]:
@@ -272,7 +377,9 @@ def tiny_config(config_class: Any, overrides: Mapping[str, Any] | None = None) -
     tree = config_class().to_dict()
     for key in ("transformers_version", "architectures", "_name_or_path"):
         tree.pop(key, None)
+    before = copy.deepcopy(tree)
     shrink_dict(tree, overrides or {}, [VOCAB])
+    follow_widths(before, tree)
     config = config_class.from_dict(tree)
     set_eager(config)
     return config

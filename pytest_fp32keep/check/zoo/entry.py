@@ -1,15 +1,57 @@
-"""What a zoo entry is: how to build a model, how to feed it, what to expect from it."""
+"""What a zoo entry is: how to build a model, how to feed it, what to expect from it.
+
+What to expect is written down independently of the plan under test: per Transformers release
+line and dtype, the FQN patterns of the tensors Transformers keeps in FP32 and whether
+``fp32keep.apply_fsdp2`` must refuse the layout (:class:`KeepExpectation`), from the facts in
+``shared/docs/transformers-keep-semantics.md``, not from :func:`fp32keep.resolve_keep_plan`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
 import importlib.metadata
+import re
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import torch
 from torch import nn
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepExpectation:
+    """What Transformers keeps of one zoo model in one range of releases, under some dtypes.
+
+    Written from the semantics of each release line (dtype gates, match rule, nested lists), so
+    that the plan under test can be checked against it, never the other way round.
+
+    Attributes:
+        versions: the Transformers releases this row describes, a PEP 440 specifier set
+            (``">=4.56,<4.58"``; pre-releases of a covered release count).
+        dtypes: the low-precision dtypes under which these releases keep ``kept``; under any
+            other fp16/bf16 dtype they keep nothing and nothing is refused.
+        kept: regular expressions, each matching (``re.fullmatch``) the FQNs of some kept
+            tensors; together they match exactly the kept floating tensors. ``None`` where the
+            names were not verified against a wheel of these releases (only ``refusal`` is).
+        refusal: the ``KeepLayoutError`` reason tag ``apply_fsdp2`` must refuse the layout
+            with under ``dtypes`` (``"root-owned"``, ``"mixed-unit"``), or ``None``: no refusal.
+    """
+
+    versions: str
+    dtypes: tuple[torch.dtype, ...]
+    kept: tuple[str, ...] | None
+    refusal: str | None = None
+
+    def covers(self, version: str) -> bool:
+        """Whether the Transformers release ``version`` is one of this row's."""
+        from packaging.specifiers import SpecifierSet
+
+        return SpecifierSet(self.versions).contains(version, prereleases=True)
+
+    def matches(self, fqn: str) -> bool:
+        """Whether ``fqn`` is one of the names this row says are kept."""
+        return any(re.fullmatch(pattern, fqn) for pattern in self.kept or ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +75,10 @@ class ZooEntry:
             nothing in older versions (see ``notes``).
         expect_layout_error: ``True`` when FSDP2 cannot isolate the kept tensors as
             units of their own, so ``fp32keep.apply_fsdp2`` must raise
-            ``KeepLayoutError`` naming them (under every dtype in ``dtypes``).
+            ``KeepLayoutError`` naming them wherever something is kept; which dtypes that is
+            per release is in ``expectations``.
+        expectations: what each release line keeps and refuses (:class:`KeepExpectation`),
+            written independently of the plan; :meth:`refused_under` reads it.
         min_transformers: Lowest Transformers version the entry is meant for, or
             ``None``; below it the entry is reported unavailable.
         notes: Why the entry is in the zoo, in one or two sentences.
@@ -45,8 +90,38 @@ class ZooEntry:
     make_batch: Callable[[nn.Module, int | torch.Generator], dict[str, torch.Tensor]]
     dtypes: tuple[torch.dtype, ...]
     expect_layout_error: bool = False
+    expectations: tuple[KeepExpectation, ...] = ()
     min_transformers: str | None = None
     notes: str = ""
+
+    def expectation(self, dtype: torch.dtype, version: str | None = None) -> KeepExpectation | None:
+        """The row of ``expectations`` for ``dtype`` in Transformers ``version`` (default: the
+        installed one): the row covering the release whose ``dtypes`` hold ``dtype``; ``None``
+        where a covered release keeps nothing under ``dtype`` or no row covers the release."""
+        version = version or transformers_version()
+        return next(
+            (row for row in self.expectations if row.covers(version) and dtype in row.dtypes),
+            None,
+        )
+
+    def covers(self, version: str | None = None) -> bool:
+        """Whether ``expectations`` describe Transformers ``version`` (default: installed)."""
+        version = version or transformers_version()
+        return any(row.covers(version) for row in self.expectations)
+
+    def refused_under(self, version: str | None = None) -> frozenset[torch.dtype]:
+        """The dtypes under which ``apply_fsdp2`` must refuse this model in Transformers
+        ``version`` (default: installed), from ``expectations`` alone; for a release no row
+        covers, every dtype of ``dtypes`` (the 5.1+ gates) when ``expect_layout_error``."""
+        version = version or transformers_version()
+        if not self.covers(version):
+            return frozenset(self.dtypes) if self.expect_layout_error else frozenset()
+        return frozenset(
+            dtype
+            for row in self.expectations
+            if row.covers(version) and row.refusal is not None
+            for dtype in row.dtypes
+        )
 
     def unavailable_reason(self) -> str | None:
         """Why the installed Transformers cannot build this entry, or ``None`` if it can."""

@@ -11,7 +11,7 @@ from torch import nn
 
 from pytest_fp32keep.check.zoo.batches import causal_lm_batch, seq2seq_batch, vision_language_batch
 from pytest_fp32keep.check.zoo.building import instantiate, make_config
-from pytest_fp32keep.check.zoo.entry import ZooAvailability, ZooEntry
+from pytest_fp32keep.check.zoo.entry import KeepExpectation, ZooAvailability, ZooEntry
 
 _VOCAB = 64
 _HIDDEN = 32
@@ -219,6 +219,101 @@ def _build_llama() -> nn.Module:
 _FP16 = (torch.float16,)
 _FP16_BF16 = (torch.float16, torch.bfloat16)
 
+# --- what each release line keeps: written from shared/docs/transformers-keep-semantics.md ----
+# Group A (4.56-4.57): regular list under fp16 only, strict under fp16 and bf16, entries match
+# whole dot-segments. Group B (5.0.0): both lists under any dtype (no gate), glob substrings; no
+# 5.0.0 wheel is checked here, so its rows name no tensors (kept=None), only the refusal. Group C
+# (5.1+): the dtype gates of A, the substring match of B, children's lists merged by post_init.
+# Ranges a release between two checked ones may differ in (5.11-5.23) name no tensors either.
+_A, _B, _C = ">=4.56,<4.58", "==5.0.0", ">=5.1"
+_ANY = _FP16_BF16  # group B's "no dtype gate", over the low-precision dtypes the zoo checks
+_LAYER = r"(en|de)coder\.block\.\d+\.layer\.\d+\.DenseReluDense\.wo\.weight"  # T5's "wo"
+_GPT_OSS_NORMS = (
+    r"model\.layers\.\d+\.(input|post_attention)_layernorm\.weight",
+    r"model\.norm\.weight",
+)
+_AFMOE_NORMS = (
+    r"model\.layers\.\d+\.(input|post_attention|pre_mlp|post_mlp)_layernorm\.weight",
+    r"model\.layers\.\d+\.self_attn\.[qk]_norm\.weight",  # 5.x: "norm" is a substring
+    r"model\.norm\.weight",
+)
+_EXPERT_BIAS = r"model\.layers\.\d+\.mlp\.expert_bias"
+_RWKV = (r"rwkv\.blocks\.\d+\.attention\.time_(decay|first)",)
+_BLIP2 = (r"query_tokens", r"qformer\..+")  # "qformer": every tensor of the Q-Former
+_INSTRUCTBLIP_A = (r"query_tokens", r"language_model\." + _LAYER)  # 4.x: hand-merged T5 list
+# 5.1+: merged by post_init, and "wo" also catches the Q-Former's "word_embeddings"
+_INSTRUCTBLIP_C = (*_INSTRUCTBLIP_A, r"qformer\.embeddings\.word_embeddings\.weight")
+
+_EXPECTED: dict[str, tuple[KeepExpectation, ...]] = {
+    "t5": (
+        KeepExpectation(_A, _FP16, (_LAYER,)),
+        KeepExpectation(_B, _ANY, None),
+        KeepExpectation(_C, _FP16, (_LAYER,)),
+    ),
+    "gpt_oss": (
+        KeepExpectation(_A, _FP16, _GPT_OSS_NORMS),
+        KeepExpectation(_B, _ANY, None),
+        KeepExpectation(_C, _FP16, _GPT_OSS_NORMS),
+    ),
+    "ernie4_5_moe": (  # strict: fp16 and bf16 in every group
+        # 4.x ["gate", "moe_statics"]; moe_statics is a child of the MoE block
+        KeepExpectation(
+            _A,
+            _FP16_BF16,
+            (
+                r"model\.layers\.\d+\.mlp\.gate\.weight",
+                r"model\.layers\.\d+\.mlp\.moe_statics\.e_score_correction_bias",
+            ),
+        ),
+        KeepExpectation(_B, _ANY, None),
+        # 5.x ["gate.weight", "moe_statics"]; moe_statics now lives under the router
+        KeepExpectation(
+            _C,
+            _FP16_BF16,
+            (
+                r"model\.layers\.\d+\.mlp\.gate\.weight",
+                r"model\.layers\.\d+\.mlp\.gate\.moe_statics\.e_score_correction_bias",
+            ),
+        ),
+    ),
+    "deepseek_v3": (  # 4.x declares nothing; 5.x strict
+        KeepExpectation(_A, (), ()),
+        KeepExpectation(_B, _ANY, None),
+        KeepExpectation(
+            ">=5.1,<5.11", _FP16_BF16, (r"model\.layers\.\d+\.mlp\.gate\.e_score_correction_bias",)
+        ),
+        KeepExpectation(">=5.11,<5.24", _FP16_BF16, None),
+        KeepExpectation(
+            ">=5.24",
+            _FP16_BF16,
+            (r"model\.layers\.\d+\.mlp\.gate\.(e_score_correction_bias|weight)",),
+        ),
+    ),
+    "rwkv": (
+        KeepExpectation(_A, _FP16, _RWKV, "mixed-unit"),
+        KeepExpectation(_B, _ANY, None, "mixed-unit"),
+        KeepExpectation(_C, _FP16, _RWKV, "mixed-unit"),
+    ),
+    "blip2": (
+        KeepExpectation(_A, _FP16, _BLIP2, "root-owned"),
+        KeepExpectation(_B, _ANY, None, "root-owned"),
+        KeepExpectation(_C, _FP16, _BLIP2, "root-owned"),
+    ),
+    "instructblip": (
+        KeepExpectation(_A, _FP16, _INSTRUCTBLIP_A, "root-owned"),
+        KeepExpectation(_B, _ANY, None, "root-owned"),  # query_tokens only: merged too late
+        KeepExpectation(_C, _FP16, _INSTRUCTBLIP_C, "root-owned"),
+    ),
+    "afmoe": (  # a 5.x class: regular norms and expert_bias; 5.24 makes expert_bias strict
+        KeepExpectation(_B, _ANY, None),
+        KeepExpectation(">=5.1,<5.11", _FP16, (*_AFMOE_NORMS, _EXPERT_BIAS)),
+        KeepExpectation(">=5.11,<5.24", _FP16_BF16, None),
+        KeepExpectation(">=5.24", _FP16, (*_AFMOE_NORMS, _EXPERT_BIAS)),
+        KeepExpectation(">=5.24", (torch.bfloat16,), (_EXPERT_BIAS,)),
+    ),
+    "llama": (KeepExpectation(">=4.56", (), ()),),  # declares nothing, in every release
+}
+
 _ENTRIES = (
     ZooEntry(
         name="t5",
@@ -226,6 +321,7 @@ _ENTRIES = (
         build=_build_t5,
         make_batch=seq2seq_batch,
         dtypes=_FP16,
+        expectations=_EXPECTED["t5"],
         notes="Regular ['wo']: the FFN output Linear of every block, kept only under fp16. "
         "Encoder-decoder, tied embeddings (four aliases), FP32 relative position bias.",
     ),
@@ -235,6 +331,7 @@ _ENTRIES = (
         build=_build_gpt_oss,
         make_batch=causal_lm_batch,
         dtypes=_FP16,
+        expectations=_EXPECTED["gpt_oss"],
         notes="Regular norms ['post_attention_layernorm', 'input_layernorm', 'norm']: whole "
         "segments in 4.x, substrings in 5.x (the same names here). MoE with 4 experts.",
     ),
@@ -244,6 +341,7 @@ _ENTRIES = (
         build=_build_ernie4_5_moe,
         make_batch=causal_lm_batch,
         dtypes=_FP16_BF16,
+        expectations=_EXPECTED["ernie4_5_moe"],
         notes="Strict router: ['gate', 'moe_statics'] in 4.x, ['gate.weight', 'moe_statics'] "
         "in 5.x; kept under bf16 too. Layer 0 dense, layer 1 MoE with 4 experts.",
     ),
@@ -253,6 +351,7 @@ _ENTRIES = (
         build=_build_deepseek_v3,
         make_batch=causal_lm_batch,
         dtypes=_FP16_BF16,
+        expectations=_EXPECTED["deepseek_v3"],
         notes="Strict ['e_score_correction_bias'] (a router buffer) in 5.x only, 5.24 adds "
         "'gate.weight'; 4.x declares nothing. Layer 0 dense, layer 1 MoE (4 routed experts).",
     ),
@@ -262,6 +361,7 @@ _ENTRIES = (
         build=_build_rwkv,
         make_batch=causal_lm_batch,
         dtypes=_FP16,
+        expectations=_EXPECTED["rwkv"],
         expect_layout_error=True,
         notes="Regular ['time_decay', 'time_first']: parameters of the attention module that "
         "also owns its low-precision projections, so FSDP2 cannot make them a unit.",
@@ -272,6 +372,7 @@ _ENTRIES = (
         build=_build_blip2,
         make_batch=vision_language_batch,
         dtypes=_FP16,
+        expectations=_EXPECTED["blip2"],
         expect_layout_error=True,
         notes="Regular ['query_tokens', 'qformer']: 'query_tokens' is a parameter of the root "
         "model, which FSDP2 cannot shard apart from the root's low-precision parameters.",
@@ -282,6 +383,7 @@ _ENTRIES = (
         build=_build_instructblip,
         make_batch=vision_language_batch,
         dtypes=_FP16,
+        expectations=_EXPECTED["instructblip"],
         expect_layout_error=True,
         notes="Nested declarations: its own ['query_tokens'] plus the T5 language model's "
         "['wo'], hand-merged after 5.0.0 had built its dtype plan (so 5.0.0 keeps query_tokens "
@@ -293,6 +395,7 @@ _ENTRIES = (
         build=_build_afmoe,
         make_batch=causal_lm_batch,
         dtypes=_FP16_BF16,
+        expectations=_EXPECTED["afmoe"],
         notes="Norms and the router's 'expert_bias': all regular up to 5.10 (nothing kept "
         "under bf16), 'expert_bias' strict in 5.24 (both lists). Layer 1 MoE, 4 experts.",
     ),
@@ -302,6 +405,7 @@ _ENTRIES = (
         build=_build_llama,
         make_batch=causal_lm_batch,
         dtypes=_FP16_BF16,
+        expectations=_EXPECTED["llama"],
         notes="Control: declares nothing, so nothing is kept; only its non-persistent "
         "rotary 'inv_freq' buffer stays FP32, by model code.",
     ),

@@ -65,26 +65,34 @@ def _exact(observed: Run, reference: Run) -> tuple[list[Finding], list[str]]:
 
 
 def check_parity(
-    observed: Run, reference: Run, control: Callable[[], Mapping[str, float]]
+    observed: Run,
+    reference: Run,
+    control: Callable[[], Mapping[str, float]],
+    on_any_rank: Callable[[bool], bool] = bool,
 ) -> tuple[list[Finding], list[str]]:
     """Compare the two runs; ``control`` is called only if some gradient is not bit-identical.
 
     ``control`` returns the control's relative error per gradient (see
     :func:`~pytest_fp32keep.contract.parity_policy.control_errors`); if it raises, the error is
-    reported as a finding, not raised.
+    reported as a finding, not raised. The control runs FSDP2 collectives, so whether to run it
+    is decided by ``on_any_rank(this rank has a gradient that is not bit-identical)``, the same
+    answer on every rank (:meth:`~pytest_fp32keep.contract.verdicts.Agreement.on_any_rank`):
+    a rank whose gradients are all exact still runs the control with its peers, and ignores it.
 
     Returns:
         the findings and the notes for the report.
     """
     findings, off = _exact(observed, reference)
+    anywhere = on_any_rank(bool(off))
+    measured: Mapping[str, float] | str = {}
+    if anywhere:
+        try:
+            measured = control()
+        except Exception as exc:  # a diagnostic: its failure is reported, not raised
+            measured = f"{type(exc).__name__}: {exc}"
     if not off:
         findings.append(Finding("parity", "every gradient", "bit-identical", "bit-identical", True))
         return findings, []
-    measured: Mapping[str, float] | str
-    try:
-        measured = control()
-    except Exception as exc:  # a diagnostic: its failure is reported, not raised
-        measured = f"{type(exc).__name__}: {exc}"
     bounds, control_findings, notes = gradient_bounds(measured)
     findings += control_findings
     errors = {

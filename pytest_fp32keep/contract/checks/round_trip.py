@@ -15,13 +15,19 @@ from pytest_fp32keep.contract.steps import LoadFn, local
 
 
 def check_round_trip(
-    model: nn.Module, pristine: Mapping[str, torch.Tensor], dtype: torch.dtype, load: LoadFn
+    model: nn.Module, checkpoint: Mapping[str, torch.Tensor], load: LoadFn
 ) -> list[Finding]:
-    """Load ``pristine`` cast to ``dtype``, gather it back: exact, in each destination dtype."""
-    # A low-precision checkpoint: kept tensors arrive in `dtype` and must land in FP32.
-    checkpoint = {name: t.to(dtype) if t.is_floating_point() else t for name, t in pristine.items()}
+    """Load a fresh copy of ``checkpoint`` with ``load``, gather it back: exact, in each
+    destination dtype (kept tensors arrive in the low-precision dtype and must land in FP32).
+
+    ``load`` gets a copy made for it alone (rank 0; ``None`` elsewhere), never read again: a
+    loader may rewrite the mapping it is given (torch DCP's ``set_model_state_dict`` with
+    ``broadcast_from_rank0=True`` puts DTensors in it). ``checkpoint`` itself is only read.
+    """
     destination = {name: local(t).dtype for name, t in model.state_dict().items()}
-    load(model, checkpoint if dist.get_rank() == 0 else None)
+    handed = {name: t.clone() for name, t in checkpoint.items()} if dist.get_rank() == 0 else None
+    load(model, handed)
+    del handed
     gathered = fp32keep.gather_full_state_dict(model)
     findings: list[Finding] = []
     for name, want_dtype in destination.items():

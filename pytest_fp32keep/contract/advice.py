@@ -1,0 +1,120 @@
+"""What a failure message adds to the findings: the differing part of a long pair, and what to do.
+
+Pure text functions used by :class:`~pytest_fp32keep.contract.report.ContractViolation`'s
+message: :func:`differing_part` shows where a long expected/observed pair starts to differ (the
+common prefix elided with ``"…"``, the first differing element marked ``»like this«``), and
+:func:`what_to_do` gives one line per failing check kind with the likely cause and the fix in
+this project's terms. Nothing here judges anything; the checks do.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from collections.abc import Iterable
+from typing import Final
+
+#: A pair whose two cells together are at least this long is "long": worth pointing into.
+LONG_PAIR: Final = 40
+#: A common prefix longer than this is elided (``"…"`` plus the separator before the difference).
+ELIDE_PREFIX: Final = 24
+#: The "what to do" lines are wrapped this wide (a terminal's, and pytest's "E   " prefix).
+ADVICE_WIDTH: Final = 96
+#: The marks around the first differing element of a long pair.
+MARK_OPEN: Final = "»"
+MARK_CLOSE: Final = "«"
+
+#: Words (dtypes, operator names, numbers) and the separators between them, alternating.
+_PIECES: Final = re.compile(r"[^\s,;=()\[\]]+|[\s,;=()\[\]]+")
+
+#: Per check kind: the likely cause, then the fix, in the project's terms. ``crashed`` is a step
+#: of the implementation under test that raised (subject: cast, shard, load, forward, backward or
+#: batch). No line names another kind, so that ``pytest.raises(ContractViolation, match=KIND)``
+#: still tells which kinds failed.
+WHAT_TO_DO: Final[dict[str, str]] = {
+    "stored": "kept tensors are stored in low precision after cast/shard (a blanket "
+    "model.to(dtype)?): cast with fp32keep.keep_aware_cast instead, and do not cast again after "
+    "sharding",
+    "materialized": "kept parameters were all-gathered in low precision: shard kept units with "
+    "param_dtype=None (fp32keep.apply_fsdp2 does); '(still sharded)' means forward read a "
+    "parameter FSDP2 never all-gathered (a module read without being called)",
+    "boundary": "an FSDP unit changed a kept module's activation dtypes: a kept unit with "
+    "param_dtype=torch.float32 casts its inputs to FP32; give kept units param_dtype=None and "
+    "the caller's other policy fields (fp32keep.apply_fsdp2 does)",
+    "operators": "operators inside a kept module ran in other dtypes than unsharded: its "
+    "weights reached it in low precision or its inputs were cast (fix those rows first if they "
+    "fail), else compare DtypeProbe(model).as_table('ops') of both models",
+    "parity": "logits, loss or gradients differ from the unsharded keep-aware reference: fix the "
+    "other rows first; alone, it is a numeric change (a hook scaling gradients, reduce_dtype "
+    "below FP32 for kept units, different batches per rank), see docs/contract.md",
+    "round trip": "a full state dict did not load back exactly in the destination dtype (the "
+    "checkpoint's dtype won): load with fp32keep.load_full_state_dict, or copy_ into the "
+    "existing parameters instead of load_state_dict(assign=True)",
+    "crashed": "a step of the implementation under test raised (the subject names it: cast, "
+    "shard, load, forward, backward or batch); its error is in the observed cell. A "
+    "KeepLayoutError from shard is a layout FSDP2 cannot keep: see docs/errors.md, rows L1-L6",
+}
+
+
+def differing_part(expected: str, observed: str) -> tuple[str, str]:
+    """``expected`` and ``observed`` with their difference made visible, when the pair is long.
+
+    Short pairs, equal pairs and pairs that differ from their first element come back
+    unchanged (the difference is already the whole cell). Otherwise the first differing element
+    is marked on both sides, and a common prefix longer than :data:`ELIDE_PREFIX` is elided to
+    ``"…"`` followed by the separator just before the difference.
+    """
+    if expected == observed or len(expected) + len(observed) < LONG_PAIR:
+        return expected, observed
+    want, got = _PIECES.findall(expected), _PIECES.findall(observed)
+    common = 0
+    while common < min(len(want), len(got)) and want[common] == got[common]:
+        common += 1
+    if common == 0:
+        return expected, observed
+    # Where the difference starts in a separator (", " against ")"), _marked marks the element
+    # after it; where one side simply ends, it marks "(end)".
+    return _marked(want, common), _marked(got, common)
+
+
+def _is_word(piece: str) -> bool:
+    return _PIECES.fullmatch(piece) is not None and re.match(r"[\s,;=()\[\]]", piece) is None
+
+
+def _marked(pieces: list[str], start: int) -> str:
+    """``pieces`` from ``start`` with the first word marked, the prefix elided if long."""
+    prefix = "".join(pieces[:start])
+    if len(prefix) > ELIDE_PREFIX:
+        # Keep the element the difference is in (back to the last "; ", else the last space),
+        # e.g. the operator's name: "…aten.add.Tensor(»float32«)", "…args[3]=»bfloat16«".
+        bounds = [i for i in range(start) if ";" in pieces[i]] or [
+            i for i in range(start) if not _is_word(pieces[i]) and " " in pieces[i]
+        ]
+        context = pieces[bounds[-1] + 1 : start] if bounds else pieces[max(0, start - 2) : start]
+        if len("".join(context)) > ELIDE_PREFIX:
+            context = pieces[max(0, start - 2) : start]
+        prefix = "…" + "".join(context)
+    rest = list(pieces[start:])
+    for i, piece in enumerate(rest):
+        if _is_word(piece):
+            rest[i] = f"{MARK_OPEN}{piece}{MARK_CLOSE}"
+            break
+    else:
+        rest.append(f"{MARK_OPEN}(end){MARK_CLOSE}")
+    return prefix + "".join(rest)
+
+
+def what_to_do(kinds: Iterable[str], width: int = ADVICE_WIDTH) -> list[str]:
+    """``"what to do:"`` then one ``"  KIND: cause; fix"`` entry per failing kind, in order,
+    each wrapped at ``width`` columns (its continuation lines indented by four spaces)."""
+    lines: list[str] = []
+    for kind in kinds:
+        if kind in WHAT_TO_DO:
+            lines += textwrap.wrap(
+                f"{kind}: {WHAT_TO_DO[kind]}",
+                width,
+                initial_indent="  ",
+                subsequent_indent="    ",
+                break_on_hyphens=False,
+            )
+    return ["what to do:", *lines] if lines else []

@@ -1,0 +1,105 @@
+"""Rank tracebacks made readable: library frames hidden, and a key that merges identical ones.
+
+Pure functions over pytest's longrepr objects as they arrive from the ranks (rebuilt from
+``pytest_report_to_serializable``): no sockets, no processes. :mod:`.reports` uses them when it
+merges the ranks' failures of one test:
+
+- :func:`hide_library_frames` drops the frames of the plugin's own library code that a test
+  calls into (``pytest_fp32keep/contract``: ``assert_fp32_keep_contract`` and what it calls).
+  They repeat the library's source in every rank and say nothing about the user's bug; the
+  exception they raise (a ``ContractViolation``, whose message is the whole verdict) stays, on
+  the test's last frame, as pytest shows it for a ``__tracebackhide__`` frame. The runner knows
+  that folder by its path only: it imports nothing of it.
+- :func:`merge_key` is the text two ranks' accounts are compared by: memory addresses, rank
+  numbers inside paths, loopback ports and temporary folders normalised, so that tracebacks
+  that differ only in those merge into one ("ranks 0,1,2").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, Final
+
+from _pytest._code.code import ExceptionChainRepr, ReprEntry, ReprExceptionInfo, ReprTraceback
+
+#: Folders whose frames a failing rank's traceback does not show (the contract's own code).
+HIDDEN_FOLDERS: Final[tuple[str, ...]] = (
+    str(Path(__file__).resolve().parents[1] / "contract") + os.sep,
+)
+#: The same folders as a rank may name them relative to its rootdir.
+_HIDDEN_RELATIVE: Final = ("pytest_fp32keep/contract/",)
+
+_ADDRESS: Final = re.compile(r"0x[0-9a-fA-F]+")
+_PATH: Final = re.compile(r"/[^\s:'\"()]+")
+_RANK_IN_PATH: Final = re.compile(r"rank[_-]?\d+")
+_LOOPBACK_PORT: Final = re.compile(
+    r"\b(localhost|127\.\d+\.\d+\.\d+|0\.0\.0\.0|\[::1?\]):\d+|\b(port[ =:]+)\d+"
+)
+
+
+def _hidden(path: str) -> bool:
+    relative = path.replace(os.sep, "/").removeprefix("./")
+    return os.path.abspath(path).startswith(HIDDEN_FOLDERS) or relative.startswith(_HIDDEN_RELATIVE)
+
+
+def _is_hidden_entry(entry: Any) -> bool:
+    location = getattr(entry, "reprfileloc", None)
+    return isinstance(entry, ReprEntry) and location is not None and _hidden(location.path)
+
+
+def _error_lines(entry: ReprEntry) -> list[str]:
+    """The ``E   ...`` lines pytest wrote under the raising frame."""
+    return [line for line in entry.lines if line.startswith("E   ")]
+
+
+def _trim(traceback: ReprTraceback) -> ReprTraceback:
+    entries = list(traceback.reprentries)
+    kept = [entry for entry in entries if not _is_hidden_entry(entry)]
+    if len(kept) == len(entries) or not kept or not isinstance(kept[-1], ReprEntry):
+        return traceback  # nothing hidden, or nothing of the user's left to show
+    last = entries[-1]
+    if _is_hidden_entry(last):
+        assert isinstance(last, ReprEntry)
+        hidden = len(entries) - len(kept)
+        note = f"    # ... {hidden} frame{'s' if hidden != 1 else ''} of pytest_fp32keep's contract"
+        tail = kept[-1]
+        location = tail.reprfileloc
+        if location is not None and last.reprfileloc is not None and tail.style == "long":
+            location = dataclasses.replace(location, message=last.reprfileloc.message)
+        kept[-1] = dataclasses.replace(
+            tail,
+            lines=[*tail.lines, note, *_error_lines(last)],
+            reprfileloc=location,
+        )
+    return dataclasses.replace(traceback, reprentries=kept)
+
+
+def hide_library_frames(longrepr: Any) -> Any:
+    """``longrepr`` without the frames in :data:`HIDDEN_FOLDERS` (a new object; the input is
+    left as it is). Anything that is not pytest's exception repr comes back unchanged, as does a
+    traceback made only of such frames (an error inside the library itself)."""
+    if isinstance(longrepr, ExceptionChainRepr):
+        chain = [(_trim(tb), crash, descr) for tb, crash, descr in longrepr.chain]
+        trimmed = ExceptionChainRepr(chain)
+        trimmed.sections = list(longrepr.sections)
+        return trimmed
+    if isinstance(longrepr, ReprExceptionInfo):
+        return dataclasses.replace(longrepr, reprtraceback=_trim(longrepr.reprtraceback))
+    return longrepr
+
+
+def merge_key(text: str) -> str:
+    """``text`` with what differs between ranks of one identical failure normalised: memory
+    addresses, rank numbers inside paths (``/run/rank1/``), loopback ports and the temporary
+    folder's contents (``/tmp/pytest-of-u/pytest-7/...``)."""
+    text = _ADDRESS.sub("0x?", text)
+    temporary = re.escape(tempfile.gettempdir().rstrip("/"))
+    text = re.sub(temporary + r"/[^\s:'\"()]*", "<tmp>", text)
+    text = _PATH.sub(lambda match: _RANK_IN_PATH.sub("rank?", match.group(0)), text)
+    return _LOOPBACK_PORT.sub(
+        lambda match: f"{match.group(1)}:?" if match.group(1) else f"{match.group(2)}?", text
+    )

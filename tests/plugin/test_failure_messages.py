@@ -1,0 +1,267 @@
+"""Failure messages people can act on (issue 14).
+
+Pure parts first, on real objects, no processes: the ``ContractViolation`` message (one table,
+the differing part of long pairs marked, one "what to do" line per failing kind), and the merge
+of rank tracebacks (the contract's own frames hidden, identical tracebacks merged after
+normalising addresses, paths and ports). Rank reports go through pytest's own serialisation, as
+they do on the wire. Then one real failure at 3 ranks: a known-wrong implementation from
+``tests/contract/test_negative_controls.py``, whose report must hold one copy of the traceback.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _pytest._code.code import ExceptionChainRepr
+from _pytest.reports import _report_to_json
+
+from pytest_fp32keep.contract import ContractReport, ContractViolation
+from pytest_fp32keep.contract.advice import WHAT_TO_DO, differing_part
+from pytest_fp32keep.contract.master import validate_master_dtype
+from pytest_fp32keep.contract.report import Finding
+from pytest_fp32keep.runner import reports
+from pytest_fp32keep.runner.tracebacks import hide_library_frames, merge_key
+
+INFO = reports.ItemInfo(
+    nodeid="test_x.py::test_y",
+    location=("test_x.py", 3, "test_y"),
+    keywords={"test_y": 1},
+    path="/p/test_x.py",
+    lineno=4,
+)
+
+
+# --- the violation's message ---------------------------------------------------------------
+
+
+def _violation(*findings: Finding) -> str:
+    report = ContractReport("Decoder", torch.bfloat16, "autocast", (), findings)
+    return str(ContractViolation(report))
+
+
+def test_long_pairs_show_where_they_differ_and_short_ones_are_left_alone() -> None:
+    want = "aten._to_copy.default(float32) -> bfloat16; aten.mm.default(bfloat16, bfloat16) -> "
+    expected, observed = differing_part(
+        want + "bfloat16; aten.add.Tensor(float32) -> float32",
+        want + "bfloat16; aten.add.Tensor(bfloat16) -> bfloat16",
+    )
+    # the common prefix elided, the operator the difference is in kept, the element marked
+    assert expected == "…aten.add.Tensor(»float32«) -> float32"
+    assert observed == "…aten.add.Tensor(»bfloat16«) -> bfloat16"
+    assert differing_part("inputs (float32, float32) -> float32", "inputs (bfloat16, x) -> y") == (
+        "inputs (»float32«, float32) -> float32",
+        "inputs (»bfloat16«, x) -> y",
+    )
+    # negative controls: short, equal, or different from the first element: unchanged
+    assert differing_part("float32", "bfloat16") == ("float32", "bfloat16")
+    same = "inputs (float32, float32) -> float32"
+    assert differing_part(same, same) == (same, same)
+    assert differing_part("absent", "aten._to_copy.default(float32) -> bfloat16") == (
+        "absent",
+        "aten._to_copy.default(float32) -> bfloat16",
+    )
+
+
+def test_violation_is_one_table_then_what_to_do_per_failing_kind() -> None:
+    long_want = "inputs (float32, float32) -> float32"
+    long_got = "inputs (bfloat16, bfloat16) -> bfloat16"
+    text = _violation(
+        Finding("materialized", "layers.0.wo.weight (call 0)", "float32", "bfloat16", False),
+        Finding(
+            "operators", "layers.0.wo call 0 op #1 aten.mm.default", long_want, long_got, False
+        ),
+        Finding("parity", "loss", "0.5", "0.5", True),
+        Finding("crashed", "backward", "no exception", "RuntimeError: boom", False),
+    )
+    lines = text.splitlines()
+    # the headline the negative controls parse is unchanged
+    assert lines[0] == (
+        "FP32-keep contract broken for Decoder at bfloat16 (autocast): "
+        "materialized, operators, crashed"
+    )
+    assert re.match(r"check\s+subject\s+expected\s+observed$", lines[1])
+    assert re.search(
+        r"materialized\s+layers\.0\.wo\.weight \(call 0\)\s+float32\s+bfloat16\s+FAIL", text
+    )
+    assert "inputs (»float32«, float32) -> float32" in text
+    assert "inputs (»bfloat16«, bfloat16) -> bfloat16" in text
+    assert "parity" not in text.split("what to do:")[0].split("\n", 1)[1]  # passing rows not shown
+    advice = text.split("what to do:\n", 1)[1].splitlines()
+    firsts = [line for line in advice if not line.startswith("    ")]
+    assert [line.split(":")[0].strip() for line in firsts] == [
+        "materialized",
+        "operators",
+        "crashed",
+    ]
+    assert "param_dtype=None (fp32keep.apply_fsdp2 does)" in " ".join(" ".join(advice).split())
+    assert max(len(line) for line in advice) <= 96  # wrapped, continuation lines indented
+    assert text.count("what to do:") == 1
+
+
+def test_every_check_kind_has_a_what_to_do_line() -> None:
+    from pytest_fp32keep.contract import CHECKS
+
+    assert set(CHECKS) | {"crashed"} <= set(WHAT_TO_DO)
+    kinds = set(WHAT_TO_DO)
+    for kind, line in WHAT_TO_DO.items():
+        # no line names another kind: `pytest.raises(ContractViolation, match=KIND)` still
+        # tells which kinds failed
+        assert [other for other in kinds - {kind} if other in line] == [], (kind, line)
+
+
+# --- rank tracebacks -----------------------------------------------------------------------
+
+
+def _raised(call: Callable[[], Any]) -> ExceptionChainRepr:
+    """pytest's long repr of what ``call`` raises, as pytest makes it in a rank."""
+    try:
+        call()
+    except Exception:
+        info = pytest.ExceptionInfo.from_current()
+    else:  # pragma: no cover - the calls below all raise
+        raise AssertionError("expected an exception")
+    made = info.getrepr(style="long", funcargs=True, chain=True)
+    assert isinstance(made, ExceptionChainRepr)
+    return made
+
+
+def _over_the_wire(longrepr: Any, stop: float) -> pytest.TestReport:
+    """A failed call report of one rank, serialised and rebuilt as the controller sees it."""
+    made = pytest.TestReport(
+        INFO.nodeid, INFO.location, INFO.keywords, "failed", longrepr, "call", stop=stop, start=0.5
+    )
+    return pytest.TestReport._from_json(_report_to_json(made))
+
+
+def _merged_text(longreprs: list[Any]) -> str:
+    outcomes = []
+    for rank, longrepr in enumerate(longreprs):
+        passed = [
+            pytest.TestReport(INFO.nodeid, INFO.location, INFO.keywords, "passed", None, when)
+            for when in ("setup", "teardown")
+        ]
+        call = _over_the_wire(longrepr, stop=1.0 + rank)
+        outcomes.append(reports.RankOutcome(rank, [passed[0], call, passed[1]], finished=True))
+    call_report = reports.merge(INFO, outcomes)[1]
+    assert call_report.failed
+    return call_report.longreprtext
+
+
+def users_check(validated: object, marker: object) -> None:
+    """Stands for a user's helper that calls into the contract (``marker``'s address differs
+    per call, as objects' addresses differ per rank)."""
+    validate_master_dtype(validated)
+
+
+def test_contract_frames_are_hidden_and_identical_tracebacks_merged() -> None:
+    # three ranks, the same failure; addresses differ (each rank's objects are its own)
+    markers = [object() for _ in range(3)]
+    raised = [_raised(lambda m=m: users_check(torch.bfloat16, m)) for m in markers]  # type: ignore[misc]
+    raw = [str(r) for r in raised]
+    assert raw[0] != raw[1], "addresses should differ between the ranks' tracebacks"
+    assert "pytest_fp32keep/contract/master.py" in raw[0]  # the frame the filter must hide
+    text = _merged_text(raised)
+    assert "ranks 0,1,2 (root cause: first to fail)" in text
+    assert text.count("ValueError: assert_fp32_keep_contract(master_dtype=torch.bfloat16)") == 1
+    assert "validate_master_dtype(validated)" in text  # the user's own line stays
+    assert "contract/master.py" not in text
+    assert "1 frame of pytest_fp32keep's contract" in text
+    # negative control: without the merge, three copies
+    naive = "\n".join(raw)
+    assert naive.count("ValueError: assert_fp32_keep_contract(master_dtype=") == 3
+
+
+def test_tracebacks_that_really_differ_are_not_merged() -> None:
+    same = [_raised(lambda: users_check(torch.bfloat16, object())) for _ in range(2)]
+    other = _raised(lambda: users_check("fp16", object()))
+    text = _merged_text([*same, other])
+    assert "ranks 0,1 (root cause: first to fail)" in text
+    assert re.search(r"-+ rank 2 -+", text), text
+    assert "master_dtype='fp16'" in text
+
+
+def test_a_traceback_only_of_library_frames_is_left_whole() -> None:
+    raised = _raised(lambda: validate_master_dtype(torch.bfloat16))
+    # the test's own frame is the first entry: hide it from the picture by keeping only the
+    # library's, as for an error raised inside the plugin itself
+    raised.chain[-1][0].reprentries = raised.chain[-1][0].reprentries[-1:]
+    assert str(hide_library_frames(raised)) == str(raised)
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [
+        ("<function batch at 0x7feac9252340>", "<function batch at 0x7f82ad00a340>"),
+        ("/tmp/pytest-of-u/pytest-3/rank1/log.txt", "/tmp/pytest-of-u/pytest-4/rank0/log.txt"),
+        ("/srv/run/rank_1/out.txt:12", "/srv/run/rank_0/out.txt:12"),
+        ("connect to 127.0.0.1:29501 refused", "connect to 127.0.0.1:41377 refused"),
+    ],
+)
+def test_merge_key_normalises_what_differs_between_ranks(one: str, other: str) -> None:
+    assert merge_key(one) == merge_key(other)
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [
+        ("AssertionError: rank 1 is wrong", "AssertionError: rank 0 is wrong"),
+        ("test_x.py:12: in check", "test_x.py:13: in check"),
+        ("max |diff| 0.00806", "max |diff| 0.00807"),
+    ],
+)
+def test_merge_key_keeps_real_differences(one: str, other: str) -> None:
+    assert merge_key(one) != merge_key(other)
+
+
+# --- one real failure at 3 ranks -------------------------------------------------------------
+
+#: The known-wrong implementation run at 3 ranks: kept units with the caller's bf16 policy.
+WRONG = "test_kept_units_with_the_callers_bf16_policy"
+#: The most lines the failure section of one contract failure may take at 3 ranks: one copy of
+#: the traceback (about 15 lines: the test's frame with its argument, the helper's frame), the
+#: violation's headline, table header and rows (27 for this failure: 4 materialized, 8
+#: operators, 14 parity; a few more where cells wrap) and the what-to-do block (1 + about 3
+#: wrapped lines per kind: 10), plus titles, separators and blank lines. Two copies of the table
+#: alone (2 x 27) plus one traceback would exceed it; before issue 14 the section was 493 lines,
+#: now 50.
+MAX_FAILURE_LINES = 80
+
+
+def failure_section(stdout: str, test: str) -> str:
+    """The ``_____ test _____`` block of pytest's FAILURES section."""
+    match = re.search(rf"_{{3,}} {test} _{{3,}}\n(.*?)(?=\n_{{3,}} |\n={{3,}} )", stdout, re.S)
+    assert match, stdout[-3000:]
+    return match.group(1)
+
+
+def test_one_contract_failure_at_three_ranks_is_one_traceback(tmp_path: Path) -> None:
+    from tests.contract.test_negative_controls import INNER
+
+    (tmp_path / "test_controls.py").write_text(INNER)
+    completed = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--fsdp-nproc", "3",
+         f"test_controls.py::{WRONG}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert completed.returncode == 1, completed.stdout[-4000:] + completed.stderr[-2000:]
+    text = failure_section(completed.stdout, WRONG)
+    lines = text.splitlines()
+    assert "fsdp2: call failed on ranks 0,1,2 of 3" in text
+    assert re.search(r"-+ ranks 0,1,2 \(root cause: first to fail\) -+", text), text
+    assert text.count("FP32-keep contract broken for Decoder") == 1, text
+    assert "pytest_fp32keep/contract/" not in text, text  # the contract's own frames hidden
+    assert "check(fsdp2_mesh, shard=shard_kept_with(lambda p: p))" in text  # the user's line
+    assert "what to do:" in text and "materialized: kept parameters were all-gathered" in text
+    # the headline the negative controls parse, and their table row, as before
+    assert "): materialized, operators, parity\n" in text
+    assert re.search(
+        r"materialized\s+layers\.0\.wo\.weight \(call 0\)\s+float32\s+bfloat16\s+FAIL", text
+    )
+    assert len(lines) <= MAX_FAILURE_LINES, f"{len(lines)} lines:\n{text}"
