@@ -174,7 +174,8 @@ def legend_text(cases: list[dict[str, Any]], *, short_headers: bool) -> str:
         f"{name} = {what}" + (f" ({full})" if full not in (name, "operators", "round trip") else "")
         for name, full, what in zip(names, CHECK_COLUMNS, _MEANING, strict=True)
     ]
-    text = "; ".join(parts) + "; - = not run. "
+    text = "; ".join(parts)
+    text += "; - = nothing to observe (nothing kept), or not run (a step it needs crashed). "
     text += "kept N = tensors kept in FP32: stored / all-gathered dtype"
     if any(row.get("materialized") == "-" for case in cases for row in case.get("kept", [])):
         text += " (- = never all-gathered, e.g. a buffer)"
