@@ -28,15 +28,7 @@ from pytest_fp32keep.contract.master import validate_master_dtype
 from pytest_fp32keep.contract.report import Finding
 from pytest_fp32keep.runner import reports
 from pytest_fp32keep.runner.tracebacks import hide_library_frames, merge_key
-
-INFO = reports.ItemInfo(
-    nodeid="test_x.py::test_y",
-    location=("test_x.py", 3, "test_y"),
-    keywords={"test_y": 1},
-    path="/p/test_x.py",
-    lineno=4,
-)
-
+from tests.plugin.test_units import INFO  # the same test item the runner's unit tests report
 
 # --- the violation's message ---------------------------------------------------------------
 
