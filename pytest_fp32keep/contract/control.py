@@ -29,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import fp32keep
 from fp32keep import KeepPlan
+from fp32keep.wrap import hook_called_methods
 from pytest_fp32keep.contract.reference import seeded
 from pytest_fp32keep.contract.steps import device_of, forward_backward, master_cast
 
@@ -45,6 +46,10 @@ class Unit:
     modules: tuple[str, ...]
     params: frozenset[str]
     reshard_after_forward: bool = True
+    slots: frozenset[str] = frozenset()
+    """Where the call found its parameters: ``module.name`` of each attribute it manages. Two
+    units can hold the same tied parameter in different attributes (Transformers unties, shards,
+    and ties again), which ``params`` (every name of each parameter) cannot tell apart."""
 
     def inside(self, other: Unit) -> bool:
         """Whether a module of this unit sits strictly inside a module of ``other``."""
@@ -82,13 +87,23 @@ def unit_layout(model: nn.Module) -> tuple[Unit, ...]:
         seen.add(id(state))
         group = state._fsdp_param_group
         params: set[str] = set()
+        slots: set[str] = set()
         for fsdp_param in group.fsdp_params if group is not None else ():
             info = fsdp_param._module_info
             params.update(names.get(id(getattr(info.module, info.param_name)), []))
+            owners = (
+                (info.module, info.param_name),
+                *zip(info.shared_modules, info.shared_param_names, strict=True),
+            )
+            slots.update(_joined(fqn_of[id(owner)], name) for owner, name in owners)
         modules = tuple(fqn_of[id(m)] for m in state._modules)
         reshard = group is None or group.post_forward_mesh_info is not None
-        units.append(Unit(modules, frozenset(params), reshard))
+        units.append(Unit(modules, frozenset(params), reshard, frozenset(slots)))
     return tuple(units)
+
+
+def _joined(module: str, name: str) -> str:
+    return f"{module}.{name}" if module else name
 
 
 def correct_policy(
@@ -138,9 +153,10 @@ def _shard_like(
     parameters as the implementation's did), then check that it did."""
     modules = dict(model.named_modules(remove_duplicate=False))
     parameters = dict(model.named_parameters(remove_duplicate=False))
-    managed = set().union(*(unit.params for unit in units)) if units else set()
+    managed = set().union(*(unit.params | unit.slots for unit in units)) if units else set()
     ignored = {param for name, param in parameters.items() if name not in managed}
     options: dict[str, Any] = {"ignored_params": ignored} if ignored else {}
+    tie_back = _untie_across_units(model, units)
     for unit in sharding_order(units):
         targets = [modules[fqn] for fqn in unit.modules]
         fully_shard(
@@ -150,8 +166,9 @@ def _shard_like(
             reshard_after_forward=unit.reshard_after_forward,
             **options,
         )
-    mirrored = {unit.modules: unit.params for unit in unit_layout(model)}
-    wanted = {unit.modules: unit.params for unit in units}
+        hook_called_methods(model, unit.modules)  # as a correct implementation must
+    mirrored = {unit.modules: unit.slots for unit in unit_layout(model)}
+    wanted = {unit.modules: unit.slots for unit in units}
     if mirrored != wanted:
         differs = sorted(
             "+".join(m) or "<root>"
@@ -162,6 +179,45 @@ def _shard_like(
             "the control could not reproduce the implementation's unit layout (units "
             f"{differs[:3]} manage other parameters when sharded inner units first)"
         )
+    for slot, target in tie_back.items():
+        owner, _, name = slot.rpartition(".")
+        home, _, home_name = target.rpartition(".")
+        setattr(model.get_submodule(owner), name, getattr(model.get_submodule(home), home_name))
+
+
+def _untie_across_units(model: nn.Module, units: tuple[Unit, ...]) -> dict[str, str]:
+    """Give a unit its own copy of a tied parameter that another unit also manages, and say
+    where each copy must be tied back to once sharded.
+
+    An implementation may shard one tied parameter in several units (Transformers unties before
+    sharding and ties again after: T5's ``shared``, both ``embed_tokens`` and ``lm_head``), each
+    gathering and reducing it on its own: a different order of work than one unit holding it,
+    and one ``fully_shard`` call cannot manage an attribute another call manages. So the control
+    does the same: the first unit to claim the parameter keeps it, each other unit gets one copy
+    for its attributes, and after sharding every attribute is tied back to the first, as the model
+    declares (FSDP2 adopts the re-tied parameter at its lazy init). Ties are always restored, so
+    an implementation that leaves them broken differs from the control.
+    """
+    claimed: dict[int, tuple[int, str]] = {}
+    tie_back: dict[str, str] = {}
+    for index, unit in enumerate(units):
+        copies: dict[int, nn.Parameter] = {}
+        for slot in sorted(unit.slots):
+            owner, _, name = slot.rpartition(".")
+            module = model.get_submodule(owner)
+            param = module._parameters.get(name)
+            if param is None:
+                continue
+            first_index, first_slot = claimed.setdefault(id(param), (index, slot))
+            if first_index == index:
+                continue
+            if id(param) not in copies:
+                copies[id(param)] = nn.Parameter(
+                    param.detach().clone(), requires_grad=param.requires_grad
+                )
+            setattr(module, name, copies[id(param)])
+            tie_back[slot] = first_slot
+    return tie_back
 
 
 def control_gradients(

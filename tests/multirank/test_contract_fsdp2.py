@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -170,3 +171,67 @@ def test_negative_control_fp32_param_dtype_breaks_the_boundary(mesh: DeviceMesh)
             factory, batch, mesh=mesh, dtype=BF16, autocast=True, shard=wrong_shard
         )
     assert "layers.0.input_layernorm" in str(error.value)
+
+
+def _tied_stack() -> nn.Module:
+    model = stack_class(strict=["wo"])()
+    model.head.weight = model.embed.weight
+    return model
+
+
+def _shard_tie_apart(tie_again: bool) -> Callable[..., None]:
+    """Transformers' layout for a tied embedding (``from_pretrained(..., distributed_config=)``
+    in 5.24): untie, give the embedding a unit of its own while the head stays in the root, and,
+    if ``tie_again``, tie the head back to the embedding's sharded parameter (FSDP2 adopts it at
+    its lazy init, so both units gather and reduce the one parameter)."""
+
+    def shard(
+        model: nn.Module,
+        *,
+        mesh: DeviceMesh,
+        mp_policy: MixedPrecisionPolicy,
+        plan: KeepPlan,
+        wrap: object,
+    ) -> None:
+        model.head.weight = nn.Parameter(model.embed.weight.detach().clone())
+        kept = dataclasses.replace(mp_policy, param_dtype=None, output_dtype=None)
+        for layer in model.layers:
+            fully_shard(layer.wo, mesh=mesh, mp_policy=kept)
+            fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(model.embed, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        if tie_again:
+            model.head.weight = model.embed.weight
+
+    return shard
+
+
+def test_a_tied_parameter_sharded_in_two_units_is_rebuilt_by_the_control(
+    mesh: DeviceMesh,
+) -> None:
+    # The control must shard the embedding and the head apart and tie them again as the
+    # implementation did; one unit holding both (what `params` alone describes) cannot be made
+    # to manage the same attributes, and the control would be a `parity (control)` failure.
+    report = assert_fp32_keep_contract(
+        _tied_stack,
+        batch,
+        mesh=mesh,
+        dtype=BF16,
+        autocast=True,
+        shard=_shard_tie_apart(tie_again=True),
+    )
+    assert report.ok, report.table(failures_only=True)
+    # Negative control: left untied, the head trains a copy of its own, and the embedding's
+    # gradient misses the head's share of it.
+    with pytest.raises(ContractViolation) as error:
+        assert_fp32_keep_contract(
+            _tied_stack,
+            batch,
+            mesh=mesh,
+            dtype=BF16,
+            autocast=True,
+            shard=_shard_tie_apart(tie_again=False),
+        )
+    parity = [f for f in error.value.report.findings if not f.ok and f.check == "parity"]
+    assert "embed.weight" in {f.subject.removeprefix("grad ") for f in parity}, str(error.value)
+    assert not any("control" in f.subject for f in parity), str(error.value)
