@@ -25,10 +25,12 @@ version is already there; the project is reinstalled only when its sources chang
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -341,56 +343,64 @@ FAMILIES = read_toml(ROOT / "ci" / "matrix.toml")["families"]
 
 @nox.session(python=PYTHON, default=False)
 def families(session: nox.Session) -> None:
-    """fp32keep check --all-families on each [families] label of ci/matrix.toml; writes
-    docs/families.md.
+    """Under each [families] label of ci/matrix.toml, fp32keep check --all-families and then the
+    plan oracle; writes docs/families.md.
 
-    One venv, one Transformers after the other (each run's JSON report under build/families/);
-    a family that fails or is refused is a row of the table, not a failed session. ``nox -s
-    families -- 5.10`` runs only the labels given (the others stay ``not yet run``).
+    One venv, one Transformers after the other. The check's JSON report goes to
+    ``build/families/LABEL.json``, the oracle's JUnit XML (``tests/test_families.py`` with
+    ``FP32KEEP_ALL_FAMILIES=1``, same Transformers) to ``build/families/oracle-LABEL.xml``. A family
+    that fails or is refused is a table row; a failing oracle fails the session once the table is
+    written. ``nox -s families -- 5.10`` runs only the labels given (the others: ``not yet run``).
     """
     pins = {pin.label: pin for pin in MATRIX.transformers}
     labels = list(session.posargs or FAMILIES["transformers"])
-    unknown = [label for label in labels if label not in pins]
-    if unknown:
+    if unknown := [label for label in labels if label not in pins]:
         session.error(f"no Transformers label {unknown} in ci/matrix.toml; known: {sorted(pins)}")
     out = ROOT / "build" / "families"
     out.mkdir(parents=True, exist_ok=True)
-    reports = []
+    session.install(*FAMILIES["extra_requirements"])  # what some families need to be built
+    reports: list[str] = []
+    oracles: list[str] = []
+    failed: list[str] = []
     for label in labels:
-        install_stack(session, MATRIX.torch, pins[label])
-        report = out / f"{label}.json"
+        pin, report, junit = pins[label], out / f"{label}.json", out / f"oracle-{label}.xml"
+        for stale in (report, junit):  # a run that dies must not leave an older one in the table
+            stale.unlink(missing_ok=True)
+        times = [time.monotonic()]
+        install_stack(session, MATRIX.torch, pin)
+        times.append(time.monotonic())
         session.run(
-            "fp32keep",
-            "check",
-            "--all-families",
-            "--dtype",
-            ",".join(FAMILIES["dtypes"]),
-            "--nproc",
-            str(FAMILIES["nproc"]),
-            "--timeout",
-            str(FAMILIES["timeout_s"]),
-            "--report-json",
-            str(report),
+            *("fp32keep", "check", "--all-families", "--dtype", ",".join(FAMILIES["dtypes"])),
+            *("--nproc", str(FAMILIES["nproc"]), "--timeout", str(FAMILIES["timeout_s"])),
+            *("--report-json", str(report)),
             success_codes=[0, 1],  # 1: some family failed or was refused, a row of the table
         )
+        ran = json.loads(report.read_text(encoding="utf-8"))["versions"]["transformers"]
+        if not _satisfied(ran, pin.specifier or ">=0"):  # -R / --no-install skip the switch
+            session.error(f"{report.name} ran under transformers {ran}, not {pin.requirement}")
+        times.append(time.monotonic())
+        try:
+            session.run(
+                *("pytest", "tests/test_families.py", "-p", "no:cacheprovider"),
+                *(f"--junitxml={junit}", "-o", f"junit_suite_name=families-oracle-{label}"),
+                "--timeout=600",  # pytest-timeout, per test: a hung load fails, not the job
+                env={"FP32KEEP_ALL_FAMILIES": "1"},  # the plan oracle over every family
+            )
+        except CommandFailed as failure:
+            failed.append(f"{label} (pytest exit status {failure.return_code})")
+        times.append(time.monotonic())
+        install, check, oracle = (round(b - a) for a, b in itertools.pairwise(times))
+        session.log(f"families {label}: install {install} s, check {check} s, oracle {oracle} s")
         reports.append(str(report))
-    session.run(
-        "python",
-        "-m",
-        "pytest_fp32keep.check.families.table",
-        "--output",
-        "docs/families.md",
-        "--versions",
-        ",".join(FAMILIES["transformers"]),
-        *reports,
-    )
-    session.run(
-        "pytest",
-        "tests/test_families.py",
-        "-p",
-        "no:cacheprovider",
-        env={"FP32KEEP_ALL_FAMILIES": "1"},  # the plan oracle over every family
-    )
+        oracles += [f"--oracle={junit}"] if junit.is_file() else []
+    table = ("pytest_fp32keep.check.families.table", "--output", "docs/families.md")
+    versions = ",".join(FAMILIES["transformers"])
+    session.run("python", "-m", *table, "--versions", versions, *oracles, *reports)
+    if failed:
+        session.error(
+            f"tests/test_families.py failed at {', '.join(failed)}: pytest's output above names "
+            "the tests; the 'Plan oracle' section of docs/families.md counts the oracle's cases"
+        )
 
 
 FRAMEWORKS = read_toml(ROOT / "ci" / "matrix.toml")["frameworks"]

@@ -4,7 +4,8 @@
 
 Issue 13's figure: ``fp32keep check --all-families --dtype bf16,fp16 --nproc 2`` on Transformers
 5.24.0, target at most 15 minutes on 2 cores (the ranks stay up across every case). That version
-is installed once with ``pip install --target build/bench/transformers-X 'transformers==X'`` and
+is installed once with ``pip install --target build/bench/transformers-X 'transformers==X'`` (with
+the ``[families]`` ``extra_requirements`` of ci/matrix.toml) and
 put first on the command's ``PYTHONPATH`` (the ranks inherit it), so the benchmark does not
 change the venv it runs from. The command is timed from spawn to exit, as a user waits for it;
 its JSON report gives the part the ranks spent on the cases (``seconds``), so the rest is the
@@ -23,6 +24,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
 from _common import (
     ROOT,
     BenchResult,
@@ -40,18 +46,28 @@ TARGET_SECONDS = 15 * 60
 QUICK_FAMILIES = ("t5", "ernie4_5_moe", "gpt_oss")
 
 
+EXTRA_REQUIREMENTS: list[str] = tomllib.loads((ROOT / "ci" / "matrix.toml").read_text())[
+    "families"
+]["extra_requirements"]
+"""What ``nox -s families`` installs beside Transformers (scipy for Inkling), so that the same
+families build here as in docs/families.md."""
+
+
 def install_transformers(version: str) -> Path:
-    """``transformers==version`` (and what it needs) in a folder of its own; reused when there."""
+    """``transformers==version``, :data:`EXTRA_REQUIREMENTS` and what they need in a folder of
+    their own; reused when the folder holds exactly these requirements."""
     folder = ROOT / "build" / "bench" / f"transformers-{version}"
-    marker = folder / f"transformers-{version}.dist-info"
-    if not marker.is_dir():
+    requirements = [f"transformers=={version}", *EXTRA_REQUIREMENTS]
+    stamp = folder / "bench-requirements.txt"
+    if not stamp.is_file() or stamp.read_text().split() != requirements:
         subprocess.run(
             [
-                *(sys.executable, "-m", "pip", "install", "--quiet", "--no-compile"),
-                *("--target", str(folder), f"transformers=={version}"),
+                *(sys.executable, "-m", "pip", "install", "--quiet", "--no-compile", "--upgrade"),
+                *("--target", str(folder), *requirements),
             ],
             check=True,
         )
+        stamp.write_text("\n".join(requirements) + "\n")
     return folder
 
 

@@ -5,12 +5,17 @@ enough, since an inner test whose fixture raised carries an ``<error>`` instead,
 one a ``<skipped>``; read as "not failed", both count as passing. :func:`junit_outcomes` gives
 each test case one outcome from every element it carries, and :func:`assert_passed` accepts
 only ``passed``. Negative controls read :attr:`InnerOutcome.text` of a ``failed`` one.
+:func:`run_inner_session` writes an inner project, runs pytest on it in a subprocess and reads
+the outcomes, the one way this project's tests run an inner session outside ``pytester``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -66,3 +71,55 @@ def assert_passed(outcome: InnerOutcome) -> None:
         f"the inner positive control {outcome.name} {outcome.outcome} instead of passing:\n"
         f"{outcome.text[-4000:]}"
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class InnerSession:
+    """One inner pytest session run by :func:`run_inner_session`.
+
+    Attributes:
+        outcomes: each inner test case's outcome, keyed by name (:func:`junit_outcomes`).
+        report: the junit XML the session wrote (for a check that reads it another way).
+        returncode: the inner pytest's exit status.
+        output: its stdout, then its stderr.
+    """
+
+    outcomes: dict[str, InnerOutcome]
+    report: Path
+    returncode: int
+    output: str
+
+
+def run_inner_session(
+    project: Path,
+    files: Mapping[str, str],
+    *args: str,
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+) -> InnerSession:
+    """Write ``files`` (name to source) into ``project``, run ``pytest ARGS`` there in a
+    subprocess with a junit report, and read every inner test's outcome.
+
+    The inner session is a real one (the installed plugin, real ranks where it marks tests),
+    without the cache provider (no ``.pytest_cache`` left to steer a later run), in ``env``
+    (default: this process's environment); ``timeout`` bounds it. A session that wrote no
+    report fails here, with its output.
+    """
+    for name, text in files.items():
+        (project / name).write_text(text, encoding="utf-8")
+    report = project / "inner-report.xml"
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
+    completed = subprocess.run(
+        [*command, f"--junitxml={report.name}", *args],
+        cwd=project,
+        env=None if env is None else dict(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    output = completed.stdout + completed.stderr
+    assert report.is_file(), (
+        f"the inner pytest (exit {completed.returncode}) wrote no junit report:\n{output[-4000:]}"
+    )
+    return InnerSession(junit_outcomes(report), report, completed.returncode, output)

@@ -338,6 +338,27 @@ def test_gpu_runners_are_the_documented_labels(
     assert listed in docs
 
 
+def test_families_workflow_runs_the_session_and_keeps_what_it_writes(
+    workflows: dict[str, dict[str, Any]],
+) -> None:
+    """families.yml: weekly and by hand, ``nox -s families``; the page and build/families/ (the
+    reports and the oracle's JUnit XML) uploaded also when the session fails; a job timeout that
+    outlasts every label's check timeout plus 10 minutes per label (install, oracle), and stays
+    within GitHub's 360-minute limit for hosted runners."""
+    workflow = workflows["families"]
+    raw = cast(dict[Any, Any], workflow)
+    triggers = raw["on"] if "on" in raw else raw[True]  # PyYAML reads a bare `on` as True
+    assert {"schedule", "workflow_dispatch"} <= set(triggers)
+    job = workflow["jobs"]["families"]
+    assert any(run.strip() == "nox -s families" for run in _runs({"jobs": {"j": job}}))
+    [upload] = [s for s in job["steps"] if str(s.get("uses", "")).startswith("actions/upload-")]
+    assert upload["if"] == "always()"
+    assert {"docs/families.md", "build/families/"} <= set(upload["with"]["path"].split())
+    families = read_toml(MATRIX_PATH)["families"]
+    needed = len(families["transformers"]) * (families["timeout_s"] / 60 + 10)
+    assert needed <= job["timeout-minutes"] <= 360
+
+
 def test_cpu_workflows_install_cpu_torch_wheels(workflows: dict[str, dict[str, Any]]) -> None:
     for name in ("cpu", "lint"):
         assert "PIP_EXTRA_INDEX_URL" in workflows[name]["env"], name

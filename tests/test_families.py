@@ -4,24 +4,31 @@ Fast checks of discovery, shrinking, probing and the ``docs/families.md`` table,
 oracle for families: :func:`fp32keep.resolve_keep_plan` on the family's tiny model names exactly
 the persistent floating tensors that ``save_pretrained`` -> ``from_pretrained(dtype=D)`` leaves
 in FP32 (the mechanism of ``tests/test_plan_oracle.py``). The default suite runs the oracle on a
-slice (:data:`ORACLE_SLICE`); ``FP32KEEP_ALL_FAMILIES=1`` (``nox -s families``) runs it on every
-family that builds.
+slice (:data:`ORACLE_SLICE`); ``FP32KEEP_ALL_FAMILIES=1`` (``nox -s families``, once per
+Transformers label) runs it on every family that builds. The run records the installed
+Transformers version in its JUnit XML, from which
+:func:`pytest_fp32keep.check.families.table.read_oracle` counts the families compared.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import xml.etree.ElementTree as ElementTree
+from collections.abc import Callable
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import pytest
 import torch
 
-from fp32keep import resolve_keep_plan
+from fp32keep import KeepPlan, resolve_keep_plan
 from pytest_fp32keep.check import families
 from pytest_fp32keep.check.families import discovery, entries, shrink, table
 from pytest_fp32keep.check.families.discovery import pick_class
-from tests.test_plan_oracle import _oracle, _parity_message
+from pytest_fp32keep.check.zoo import transformers_version
+from tests.test_plan_oracle import OracleResult, _oracle, _parity_message
 
 #: Families of the default suite's oracle slice: a strict list on an attention parameter
 #: (``sinks``, token classification), a strict router buffer (MoE), an audio tower's strict
@@ -37,23 +44,106 @@ def _oracle_families() -> list[str]:
     return list(families.keep_families()) if ALL_FAMILIES else list(ORACLE_SLICE)
 
 
-@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=lambda d: str(d).removeprefix("torch."))
+def _dtype_id(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def assert_plan_matches(plan: KeepPlan, oracle: OracleResult, family: str) -> None:
+    """The oracle's verdict: ``plan`` keeps exactly the persistent tensors the loader kept.
+
+    Non-persistent buffers are left out (model code, not the loader, decides their dtype; see
+    ``tests/test_plan_oracle.py``); a plan name that is no floating tensor is an error too.
+    """
+    assert not oracle.missing_keys, sorted(oracle.missing_keys)
+    assert plan.names <= oracle.floating, sorted(plan.names - oracle.floating)
+    assert plan.names & oracle.persistent == oracle.kept, _parity_message(plan, oracle, family)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _junit_transformers_version(record_testsuite_property: Callable[[str, object], None]) -> None:
+    """The JUnit XML says which Transformers the oracle ran under (``table.read_oracle``)."""
+    record_testsuite_property("transformers", transformers_version())
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=_dtype_id)
 @pytest.mark.parametrize("family", _oracle_families())
 def test_family_plan_matches_from_pretrained(
     family: str, dtype: torch.dtype, tmp_path: Path
 ) -> None:
-    """The plan of the family's tiny model is what the installed ``from_pretrained`` keeps."""
+    """The plan of the family's tiny model is what the installed ``from_pretrained`` keeps.
+
+    Its id is ``[FAMILY-DTYPE]``, which ``table.read_oracle`` reads back from the JUnit XML.
+    """
     if family not in families.keep_families():
         pytest.skip(f"transformers has no family {family} that declares a keep list")
-    found = families.probe(family)
-    if found.entry is None:
-        pytest.skip(f"{family}: not buildable ({found.reason})")
-    fresh: Any = found.entry.build()
+    try:  # only the build: the oracle needs no batch, forward or backward
+        fresh: Any = entries.build_family_model(family)
+    except Exception as error:  # any failure of the family's own code is a skip with its reason
+        pytest.skip(f"{family}: not buildable (build: {type(error).__name__}: {error})")
     plan = resolve_keep_plan(fresh, dtype)
     oracle, _ = _oracle(fresh, dtype, tmp_path)
-    assert not oracle.missing_keys, sorted(oracle.missing_keys)
-    assert plan.names <= oracle.floating, sorted(plan.names - oracle.floating)
-    assert plan.names & oracle.persistent == oracle.kept, _parity_message(plan, oracle, family)
+    assert_plan_matches(plan, oracle, family)
+
+
+def test_a_wrong_family_plan_fails_the_oracle(tmp_path: Path) -> None:
+    """Negative control: the oracle catches a plan that misses a kept tensor, one that keeps a
+    tensor the loader casts, and the plan of the wrong dtype; the real plan passes.
+
+    T5 at fp16 (its regular ``["wo"]`` applies only there) exists in every supported version.
+    """
+    fresh: Any = entries.build_family_model("t5")
+    plan = resolve_keep_plan(fresh, torch.float16)
+    oracle, _ = _oracle(fresh, torch.float16, tmp_path)
+    assert oracle.kept and plan.param_names, "T5 at fp16 keeps its `wo` weights"
+    assert_plan_matches(plan, oracle, "t5")
+    dropped = sorted(plan.param_names)[0]
+    missing_one = dataclasses.replace(plan, param_names=plan.param_names - {dropped})
+    cast_name = sorted(oracle.persistent - oracle.kept)[0]
+    one_too_many = dataclasses.replace(plan, param_names=plan.param_names | {cast_name})
+    wrong_dtype = resolve_keep_plan(fresh, torch.bfloat16)  # keeps nothing for T5
+    for wrong, named in ((missing_one, dropped), (one_too_many, cast_name), (wrong_dtype, "wo")):
+        with pytest.raises(AssertionError, match="from_pretrained") as raised:
+            assert_plan_matches(wrong, oracle, "t5")
+        assert named in str(raised.value)
+
+
+def test_oracle_counts_read_from_junit(tmp_path: Path) -> None:
+    """``table.read_oracle`` counts only oracle cases: equal, differing (an ``AssertionError``:
+    the verdict), not compared (any other failure, or an error), skipped; the page's section
+    names every differing and uncompared case and says which label was not run."""
+    cases = [
+        ("t5", "float16", ""),
+        ("t5", "bfloat16", '<failure message="AssertionError: t5 at bfloat16 ..."/>'),
+        ("blip_2", "float16", '<failure message="RuntimeError: no safetensors"/>'),
+        ("blip_2", "bfloat16", '<error message="fixture tmp_path failed"/>'),
+        ("udop", "float16", '<skipped message="not buildable"/>'),
+    ]
+    body = "".join(
+        f'<testcase name="{table.ORACLE_TEST}[{f}-{d}]">{extra}</testcase>' for f, d, extra in cases
+    )
+    xml = (
+        '<testsuites><testsuite name="pytest"><properties>'
+        '<property name="transformers" value="5.10.4"/></properties>'
+        f'{body}<testcase name="test_other"><failure message="z"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    path = tmp_path / "oracle.xml"
+    ElementTree.ElementTree(ElementTree.fromstring(xml)).write(path)
+    run = table.read_oracle(path)
+    assert run.transformers == "5.10.4"
+    assert (run.equal, run.differing, run.errors, run.skipped) == (
+        ("t5-float16",),
+        ("t5-bfloat16",),
+        ("blip_2-float16", "blip_2-bfloat16"),
+        ("udop-float16",),
+    )
+    assert run.compared == 2
+    text = table.render([], ["4.56", "5.10", "latest"], [run])
+    assert "- 4.56: not yet run" in text
+    assert "- 5.10: transformers 5.10.4: 2 family x dtype cases compared" in text
+    assert "1 equal, 1 differing (t5-bfloat16), 2 not compared" in text
+    assert "(blip_2-float16, blip_2-bfloat16), 1 skipped (not buildable)" in text
+    assert "## Plan oracle" not in table.render([], ["5.10"])
 
 
 def test_every_listed_family_declares_a_keep_list() -> None:
@@ -196,7 +286,7 @@ def test_table_says_what_each_family_did_and_what_was_not_run() -> None:
     assert "| b | not yet run | not yet run | refused (root-owned: x) | FAIL (parity) |" in text
     assert "not buildable (build: ValueError: no)" in text
     assert "- 4.56: not yet run" in text and "- latest: not yet run" in text
-    assert "| 5.10 | fp16 | 1 | 0 | 1 | 1 |" in text
+    assert "| 5.10 | fp16 | 1 | 0 | 1 | 0 | 1 |" in text  # pass, refused, n. buildable, n. runnable
 
 
 def test_fields_that_copy_a_width_follow_it_across_sub_configs() -> None:
@@ -325,3 +415,138 @@ def test_multi_codebook_model_gets_one_code_per_codebook() -> None:
     model(**batch).loss.backward()
     with pytest.raises(RuntimeError, match="must match the size"):
         model(input_ids=ids[..., 0], labels=batch["labels"])
+
+
+# --- 5.24's families that did not build (each skips where its release has no such family) ---
+
+
+def _family_or_skip(family: str) -> None:
+    if family not in families.keep_families():
+        pytest.skip(f"transformers {transformers_version()} has no {family} family")
+
+
+def test_shrink_fills_unset_mlp_layer_types_and_cuts_per_stage_widths() -> None:
+    """Version-free halves of the two tests below, on config dictionaries: an unset
+    ``mlp_layer_types`` with experts becomes dense then sparse (without experts it stays
+    unset); per-stage widths as long as the layer count are cut with the other per-stage
+    lists, then shrunk."""
+    moe = {"n_routed_experts": 64, "num_hidden_layers": 32, "mlp_layer_types": None}
+    dense = {"num_hidden_layers": 32, "mlp_layer_types": None}
+    stages = {"num_hidden_layers": 4, "hidden_sizes": [256, 512, 1024, 2048]}
+    stages |= {"depths": [2, 2, 2, 2], "patch_sizes": [16, 6, 5, 4]}
+    for tree in (moe, dense, stages):
+        shrink.shrink_dict(tree, {}, [shrink.VOCAB])
+    assert moe["mlp_layer_types"] == ["dense", "sparse"]
+    assert dense["mlp_layer_types"] is None
+    assert stages["hidden_sizes"] == [shrink.HIDDEN] * shrink.LAYERS
+    assert (stages["depths"], stages["patch_sizes"]) == ([2, 2], [16, 6])
+
+
+def test_unset_mlp_layer_types_get_a_dense_then_sparse_pattern() -> None:
+    """DeepseekOcr2's text config leaves ``mlp_layer_types`` unset (its checkpoint sets it)
+    while every decoder layer indexes it; with experts the shrinker gives one dense layer, then
+    sparse ones, so the routed experts and their kept gate exist."""
+    _family_or_skip("deepseek_ocr2")
+    from pytest_fp32keep.check.zoo.building import build_seeded
+
+    model: Any = entries.build_family_model("deepseek_ocr2")
+    assert any(name.endswith("mlp.gate.weight") for name, _ in model.named_parameters())
+    config = model.config
+    config.mlp_layer_types = None  # negative control: the default, unset
+    with pytest.raises(TypeError, match="not subscriptable"):
+        build_seeded(type(model), config)
+
+
+def test_per_stage_widths_are_cut_with_the_stages_and_shrunk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hierarchical tower lists one width per stage (MuseSpark's audio ``hidden_sizes``,
+    as long as ``num_hidden_layers``): cut with the other per-stage lists, then shrunk.
+    Negative control: without ``hidden_sizes`` in TINY, MuseSpark is over the size guard."""
+    _family_or_skip("muse_spark")
+    entries.build_family_model("muse_spark")
+    without = {key: value for key, value in shrink.TINY.items() if key != "hidden_sizes"}
+    monkeypatch.setattr(shrink, "TINY", MappingProxyType(without))
+    with pytest.raises(ValueError, match="parameters after shrinking"):
+        entries.build_family_model("muse_spark")
+
+
+@pytest.mark.parametrize(
+    ("family", "name"),
+    [("muse_spark", "input_values"), ("inkling", "audio_input_ids")],
+    ids=["waveform", "mel-bin-ids"],
+)
+def test_raw_audio_tower_gets_its_input_and_gradients(family: str, name: str) -> None:
+    """An audio tower that takes no mel features gets what its ``get_audio_features`` takes
+    first: a waveform of whole embeddings (MuseSpark), discretised mel-bin ids (Inkling), and
+    one placeholder per embedding; every tower parameter gets a gradient. Negative control:
+    the text alone leaves the tower without any."""
+    _family_or_skip(family)
+    if family == "inkling":
+        pytest.importorskip("scipy", reason="Inkling's vision tower needs scipy to build")
+    from pytest_fp32keep.check.families.batches import family_batch
+
+    model: Any = entries.build_family_model(family)
+    batch = family_batch(model, 0)
+    assert name in batch and (name == "input_values") == batch[name].is_floating_point()
+    placeholders = int((batch["input_ids"] == model.config.audio_token_id).sum())
+    assert placeholders > 0 and int((batch["labels"] == -100).sum()) == placeholders
+    count, with_grad = _tower_gradients(model, batch, "model.audio_tower.")
+    assert count and with_grad == count
+    text_only = {"input_ids": batch["input_ids"][:, -8:], "labels": batch["labels"][:, -8:]}
+    assert _tower_gradients(model, text_only, "model.audio_tower.") == (count, 0)
+
+
+def test_token_grid_tower_gets_pixels_and_gradients() -> None:
+    """Inkling2's tower takes one row per merged token (a block of pixels), its grid counted
+    in tokens: the layout its own ``get_image_features`` accepts is picked, and every tower
+    parameter gets a gradient. Negative control: Qwen2-VL's patch rows fail in that tower with
+    the reshape error the family used to be unbuildable for."""
+    _family_or_skip("inkling2")
+    from pytest_fp32keep.check.families import vision
+    from pytest_fp32keep.check.families.batches import family_batch
+
+    model: Any = entries.build_family_model("inkling2")
+    batch = family_batch(model, 0)
+    assert batch["pixel_values"].ndim == 4
+    count, with_grad = _tower_gradients(model, batch, "model.vision_tower.")
+    assert count and with_grad == count
+    rows = vision.grid_pixels(model, model.config, torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="is invalid for input of size"):
+        vision.image_embeddings(model, rows)
+
+
+def _refusal_text(family: str) -> str | None:
+    """The layout refusal of ``family``'s tiny model under bf16 (``None``: it holds)."""
+    from fp32keep import KeepLayoutError, keep_aware_cast, plan_layout
+
+    model: Any = entries.build_family_model(family)
+    plan = resolve_keep_plan(model, torch.bfloat16)
+    keep_aware_cast(model, torch.bfloat16, plan=plan)
+    try:
+        layout = plan_layout(model, plan)
+    except KeepLayoutError as error:
+        return str(error)
+    if family == "bailing_hybrid":  # its attention reads conv1d.weight, never calls conv1d
+        owner = layout.owner["model.layers.0.self_attn.conv1d.weight"]
+        assert owner == "model.layers.0.self_attn"
+    return None
+
+
+def test_linear_attention_families_hold_the_read_conv_and_refuse_truly_mixed_modules() -> None:
+    """5.24: Bailing-Hybrid's kept ``conv1d`` (read by its attention, never called) goes with
+    its reader's unit; Kimi-Linear's forget gate owns a kept ``dt_bias`` beside an ``A_log``
+    its keep list leaves out (bf16), and Glm5-Next's hyper-connections a kept ``base`` and
+    ``scale`` beside ``fn``: modules of mixed dtype FSDP2 cannot shard, refused, naming the
+    parameters and their dtypes."""
+    _family_or_skip("bailing_hybrid")
+    assert _refusal_text("bailing_hybrid") is None
+    _family_or_skip("kimi_linear")
+    text = _refusal_text("kimi_linear")
+    assert text is not None and "[mixed-unit]" in text and "read-not-called" not in text
+    assert "forget_gate.dt_bias" in text and "is kept (float32)" in text
+    assert "also directly owns parameters the plan does not keep: A_log (bfloat16)" in text
+    _family_or_skip("glm5_next")  # both: its conv1d is held, its hyper-connections are mixed
+    text = _refusal_text("glm5_next")
+    assert text is not None and "read-not-called" not in text and "self_attn.conv1d" not in text
+    assert "attn_hc.base" in text and "not keep: fn (bfloat16)" in text

@@ -6,14 +6,12 @@ erroring and the skipped inner test; :func:`tests.inner_outcomes.junit_outcomes`
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 
-from tests.inner_outcomes import assert_passed, junit_outcomes
+from tests.inner_outcomes import assert_passed, junit_outcomes, run_inner_session
 
 INNER = """
 import pytest
@@ -54,16 +52,7 @@ def test_fails_then_errors_at_teardown(breaks_at_teardown):
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
     project = tmp_path_factory.mktemp("outcomes")
-    (project / "test_inner.py").write_text(INNER)
-    subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml=r.xml"],
-        cwd=project,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    return project / "r.xml"
+    return run_inner_session(project, {"test_inner.py": INNER}, "-q", timeout=120).report
 
 
 def test_each_inner_test_gets_its_real_outcome(report: Path) -> None:
@@ -96,3 +85,10 @@ def test_a_positive_control_that_did_not_pass_is_reported(report: Path, name: st
 
 def test_a_positive_control_that_passed_is_accepted(report: Path) -> None:
     assert_passed(junit_outcomes(report)["test_passes"])
+
+
+def test_an_inner_session_that_wrote_no_report_fails_with_its_output(tmp_path: Path) -> None:
+    """A usage error stops pytest before any junit XML: the helper says so, not a bare
+    ``FileNotFoundError`` from the parser."""
+    with pytest.raises(AssertionError, match=r"exit 4\) wrote no junit report:[\s\S]*--no-such"):
+        run_inner_session(tmp_path, {"test_inner.py": INNER}, "--no-such-option", timeout=120)

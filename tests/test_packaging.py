@@ -35,6 +35,7 @@ if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))  # the `ci` package; appended, so installed packages still win
 
 from ci.matrix import read_toml  # noqa: E402
+from tests.inner_outcomes import assert_passed, run_inner_session  # noqa: E402
 from tests.plugin._inner import PASSING_MARKED_TEST  # noqa: E402
 
 PACKAGES = {"pytest_fp32keep": ROOT / "pytest_fp32keep", "fp32keep": ROOT / "impl" / "fp32keep"}
@@ -242,16 +243,8 @@ def test_unpacked_sdist_passes_its_own_tests(dists: Dists, tmp_path: Path) -> No
     outside = [line for line in origins if not Path(line.split(" ", 1)[1]).is_relative_to(unpacked)]
     assert outside == [], f"not imported from the unpacked sdist: {outside}"
 
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SDIST_TESTS],
-        cwd=unpacked,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=INNER_RUN_TIMEOUT_S,
-        check=False,
-    )
-    output = run.stdout + run.stderr
+    run = run_inner_session(unpacked, {}, "-q", *SDIST_TESTS, timeout=INNER_RUN_TIMEOUT_S, env=env)
+    output = run.output
     assert run.returncode == 0, f"pytest in the unpacked sdist exited {run.returncode}:\n" + _tail(
         output
     )
@@ -286,7 +279,6 @@ def test_installed_wheel_runs_marked_tests_under_warnings_as_errors(
     assert installed.returncode == 0, _tail(installed.stderr)
     project = tmp_path / "user-project"
     project.mkdir()
-    (project / "test_user.py").write_text(PASSING_MARKED_TEST)
     env = {**os.environ, "PYTHONPATH": str(site)}  # before the checkout's editable install
     env.pop("PYTEST_ADDOPTS", None)
     where = subprocess.run(
@@ -294,17 +286,13 @@ def test_installed_wheel_runs_marked_tests_under_warnings_as_errors(
         cwd=project, env=env, capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert str(site) in where.stdout, f"not imported from the installed wheel: {where.stdout}"
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "error"],
-        cwd=project,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=INNER_RUN_TIMEOUT_S,
-        check=False,
+    files = {"test_user.py": PASSING_MARKED_TEST}
+    run = run_inner_session(
+        project, files, "-q", "-W", "error", timeout=INNER_RUN_TIMEOUT_S, env=env
     )
-    assert run.returncode == 0, _tail(run.stdout + run.stderr)
-    assert "1 passed" in run.stdout
+    assert run.returncode == 0, _tail(run.output)
+    assert_passed(run.outcomes["test_collective"])
+    assert "1 passed" in run.output
     version = subprocess.run(
         [str(site / "bin" / "fp32keep"), "--version"],
         cwd=project, env=env, capture_output=True, text=True, check=False,

@@ -40,7 +40,8 @@ from packaging.version import Version
 from torch import nn
 
 from fp32keep import KeepDeclarationError, KeepPlan, resolve_keep_plan
-from pytest_fp32keep.check.zoo import ZOO, ZooEntry, transformers_version
+from pytest_fp32keep.check.zoo import ZOO, transformers_version
+from tests.zoo_entries import available_or_skip
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 IS_4X = Version(transformers_version()).major < 5
@@ -170,18 +171,10 @@ def _zoo_cases() -> Iterator[Any]:
             yield pytest.param(name, dtype, id=f"{name}-{_dtype_id(dtype)}")
 
 
-def _available(name: str) -> ZooEntry:
-    entry = ZOO[name]
-    reason = entry.unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    return entry
-
-
 @pytest.mark.parametrize(("name", "dtype"), list(_zoo_cases()))
 def test_plan_matches_from_pretrained(name: str, dtype: torch.dtype, tmp_path: Path) -> None:
     """The plan names exactly the persistent floating tensors ``from_pretrained`` keeps FP32."""
-    entry = _available(name)
+    entry = available_or_skip(name)
     fresh: Any = entry.build()
     plan = resolve_keep_plan(fresh, dtype)
     oracle, _ = _oracle(fresh, dtype, tmp_path)
@@ -208,7 +201,7 @@ def test_non_persistent_buffers_follow_model_code(
     class is built with D as the default dtype (on the meta device), which is how
     ``from_pretrained`` builds it. A non-persistent buffer the plan keeps must come back FP32.
     """
-    entry = _available(name)
+    entry = available_or_skip(name)
     fresh: Any = entry.build()
     oracle, _ = _oracle(fresh, dtype, tmp_path)
     previous = torch.get_default_dtype()
@@ -235,7 +228,7 @@ def test_non_persistent_buffers_follow_model_code(
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=_dtype_id)
 def test_no_declaration_keeps_nothing(dtype: torch.dtype, tmp_path: Path) -> None:
     """Llama declares nothing: the plan is empty; the loader keeps only model-code buffers."""
-    entry = _available("llama")
+    entry = available_or_skip("llama")
     fresh: Any = entry.build()
     assert getattr(fresh, "_keep_in_fp32_modules", None) in (None, [], set())
     assert getattr(fresh, "_keep_in_fp32_modules_strict", None) in (None, [], set())
@@ -260,7 +253,7 @@ def test_kept_param_missing_from_checkpoint(tmp_path: Path) -> None:
     the same parameter is initialised in the load dtype. The plan describes what must be kept,
     independent of the checkpoint's completeness: it keeps the parameter in both.
     """
-    entry = _available("t5")
+    entry = available_or_skip("t5")
     dtype = torch.float16  # T5's regular ["wo"] applies under fp16 in every version
     fresh: Any = entry.build()
     dropped = "encoder.block.0.layer.1.DenseReluDense.wo.weight"
@@ -297,7 +290,7 @@ _TIED_ALIASES = frozenset({"model.embed_tokens.weight", "lm_head.weight"})
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=_dtype_id)
 def test_tied_alias_declared_on_saved_name(dtype: torch.dtype, tmp_path: Path) -> None:
     """Declared under the saved alias, a tied tensor is kept under every name by both."""
-    _available("llama")
+    available_or_skip("llama")
     fresh = _tied_llama(_keep_in_fp32_modules_strict=["embed_tokens"])
     assert fresh.get_input_embeddings().weight is fresh.get_output_embeddings().weight
     plan = resolve_keep_plan(fresh, dtype)
@@ -321,7 +314,7 @@ def test_tied_alias_declared_on_dropped_name(dtype: torch.dtype, tmp_path: Path)
     D; the plan keeps every alias of a tensor any alias of which matches (a conservative choice:
     an FP32 contract never silently lost because of which alias a checkpoint happens to carry).
     """
-    _available("llama")
+    available_or_skip("llama")
     if IS_4X:
         with pytest.raises(ValueError, match="lm_head"):
             _tied_llama(_keep_in_fp32_modules_strict=["lm_head"])

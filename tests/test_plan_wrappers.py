@@ -28,6 +28,7 @@ from fp32keep.compat import REGULAR_ATTR, STRICT_ATTR, installed_semantics, sema
 from fp32keep.layout import plan_layout
 from fp32keep.plan import _post_init_lists
 from pytest_fp32keep.check.zoo import ZOO, transformers_version
+from tests.zoo_entries import available_or_skip
 
 FP16, BF16 = torch.float16, torch.bfloat16
 T5_WO = 4  # two encoder and two decoder blocks, one `wo` each
@@ -152,9 +153,7 @@ def peft_model(name: str, targets: list[str]) -> tuple[nn.Module, nn.Module]:
     """``(PeftModel, the model it wraps)``: LoRA on ``targets`` of the zoo model ``name``."""
     from peft import LoraConfig, get_peft_model
 
-    entry = ZOO[name]
-    if (reason := entry.unavailable_reason()) is not None:
-        pytest.skip(reason)
+    entry = available_or_skip(name)
     inner = entry.build()
     config = LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=targets)
     return get_peft_model(inner, config), inner
@@ -256,9 +255,7 @@ def test_post_init_replay_matches_the_installed_post_init(name: str) -> None:
     """The 5.1+ replay used for the what-if equals what the installed 5.1+ post_init built."""
     if installed_semantics().group != "C":
         pytest.skip("the installed release does not run 5.1+'s post_init")
-    entry = ZOO[name]
-    if (reason := entry.unavailable_reason()) is not None:
-        pytest.skip(reason)
+    entry = available_or_skip(name)
     model = entry.build()
     for attribute in (REGULAR_ATTR, STRICT_ATTR):
         runtime = set(getattr(model, attribute) or ())

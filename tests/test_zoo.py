@@ -25,17 +25,10 @@ from pytest_fp32keep.check.zoo import (
     transformers_version,
 )
 from pytest_fp32keep.check.zoo.entry import KeepExpectation
+from tests.zoo_entries import available_or_skip
 
 ALL_NAMES = list(ZOO)
 _NONE = KeepExpectation("", (), ())  # stands for "no row": nothing kept, nothing refused
-
-
-def _available(name: str) -> ZooEntry:
-    entry = ZOO[name]
-    reason = entry.unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    return entry
 
 
 def _declarations(model: nn.Module) -> set[str]:
@@ -113,7 +106,7 @@ def test_unavailable_entry_reports_instead_of_failing() -> None:
 @pytest.mark.parametrize("name", ALL_NAMES)
 def test_entry_builds_fast_and_deterministically(name: str) -> None:
     """Tiny, FP32, same weights on every build, global RNG left alone."""
-    entry = _available(name)
+    entry = available_or_skip(name)
     entry.build()  # first build pays for importing the model's module
     rng_before = torch.get_rng_state()
     started = time.process_time()  # CPU time: robust to other load on a shared runner
@@ -135,7 +128,7 @@ def test_entry_builds_fast_and_deterministically(name: str) -> None:
 @pytest.mark.parametrize("name", ALL_NAMES)
 def test_entry_batch_is_deterministic(name: str) -> None:
     """Same seed, same batch; another seed, another batch; a Generator works too."""
-    entry = _available(name)
+    entry = available_or_skip(name)
     model = entry.build()
     first = entry.make_batch(model, 0)
     second = entry.make_batch(model, 0)
@@ -151,7 +144,7 @@ def test_entry_batch_is_deterministic(name: str) -> None:
 @pytest.mark.parametrize("name", ALL_NAMES)
 def test_entry_trains_in_fp32(name: str) -> None:
     """Forward and backward in FP32 give a finite loss and finite, non-zero gradients."""
-    entry = _available(name)
+    entry = available_or_skip(name)
     model = entry.build()
     batch = entry.make_batch(model, 0)
     output = model(**batch)
@@ -169,7 +162,7 @@ def test_entry_trains_in_fp32(name: str) -> None:
 @pytest.mark.parametrize("name", ALL_NAMES)
 def test_entry_declares_what_it_is_in_the_zoo_for(name: str) -> None:
     """Every entry but the control declares keep entries (DeepseekV3: 5.x only)."""
-    entry = _available(name)
+    entry = available_or_skip(name)
     declared = _declarations(entry.build())
     if name == "llama" or (name == "deepseek_v3" and Version(transformers_version()).major < 5):
         assert declared == set()
@@ -215,7 +208,7 @@ def disagreements(entry: ZooEntry, dtype: torch.dtype) -> list[str]:
 def test_plan_agrees_with_the_written_expectation(name: str, dtype: torch.dtype) -> None:
     """The kept FQNs and the refusal, per release line and dtype, written independently of the
     plan (from shared/docs/transformers-keep-semantics.md), are what the plan and layout give."""
-    entry = _available(name)
+    entry = available_or_skip(name)
     assert entry.covers(), (
         f"{name}: no expectation row covers transformers {transformers_version()}"
     )
@@ -227,7 +220,7 @@ def test_plan_agrees_with_the_written_expectation(name: str, dtype: torch.dtype)
 
 def test_a_wrong_expectation_is_caught() -> None:
     """The negative control: tables that say too much, too little or the wrong refusal."""
-    t5, rwkv = _available("t5"), _available("rwkv")
+    t5, rwkv = available_or_skip("t5"), available_or_skip("rwkv")
     version = transformers_version()
     loose = dataclasses.replace(  # T5's 'wo' kept under bf16 too, and every 'wo' bias
         t5,

@@ -3,7 +3,11 @@
 Kept units are chosen from the module tree and the plan alone: the topmost fully kept modules
 with a forward, wrap targets nested inside them, owners of only kept parameters that have
 children that are not kept, and never a module an ancestor reads without calling it
-(:mod:`fp32keep.reads`).
+(:mod:`fp32keep.reads`). Such a read module goes with its reader instead where the reader is
+its parent and owns no parameter that is not kept: the reader becomes an owner unit (its
+children that are not kept get units of their own first), so FSDP2 all-gathers the read tensors
+in FP32 in the reader's own forward hook, just before the reader's code reads them (the
+linear-attention ``conv1d`` whose ``weight`` Bailing-Hybrid's attention hands to a kernel).
 """
 
 from __future__ import annotations
@@ -53,7 +57,11 @@ class KeptSelection:
             their children, which get units of their own with the caller's policy
             (``owner_children``). Frozen ones stay replicated, as before.
         read_directly: kept modules an ancestor reads without calling (:mod:`fp32keep.reads`):
-            never units, since FSDP2 would never all-gather them.
+            never units, since FSDP2 would never all-gather them; those with trainable
+            parameters whose reader can hold them are not here but in their reader's owner unit
+            (see the module docstring).
+        reader_obstacles: for each trainable module of ``read_directly``, why its reader cannot
+            hold it (for the refusal to say).
     """
 
     top: list[str] = field(default_factory=list)
@@ -61,6 +69,7 @@ class KeptSelection:
     owners: list[str] = field(default_factory=list)
     owner_children: list[str] = field(default_factory=list)
     read_directly: list[DirectRead] = field(default_factory=list)
+    reader_obstacles: dict[str, str] = field(default_factory=dict)
 
 
 def _direct_float_params(model: nn.Module) -> dict[str, list[str]]:
@@ -120,13 +129,62 @@ def kept_modules(
                 out.extend(callable_descendants(child_fqn, child))
         return out
 
+    def add_owner_children(fqn: str, module: nn.Module) -> None:
+        for child_name, child in module.named_children():
+            child_fqn = join(fqn, child_name)
+            if below.get(child_fqn) and not fully_kept(child_fqn):
+                found.owner_children.extend(
+                    unit_fqn
+                    for unit_fqn, unit_module in callable_descendants(child_fqn, child)
+                    if not fully_kept(unit_fqn)
+                    and not is_target(unit_module)
+                    and not owns_only_kept(unit_fqn, unit_module)
+                )
+
+    def reader_obstacle(read: DirectRead) -> str | None:
+        # The reader's own unit can all-gather the read tensors only if it claims nothing else
+        # that is not kept: it must be the read module's parent (a module between them would
+        # give its own parameters to the reader's unit) and own no parameter the plan does
+        # not keep. None: it can.
+        reader = read.reader_fqn
+        if not reader:
+            return f"its reader is the root module ({read.reader}), sharded with your policy"
+        where = f"its reader {reader!r} ({read.reader})"
+        if read.module_fqn.rpartition(".")[0] != reader:
+            return f"{where} is not its parent"
+        reader_module = model.get_submodule(reader)
+        if not has_own_forward(reader_module):
+            return f"{where} has no forward of its own"
+        others = [name for name in direct.get(reader, []) if name not in plan.param_names]
+        if others:
+            params = dict(reader_module.named_parameters(prefix=reader, recurse=False))
+            shown = ", ".join(
+                f"{name.rpartition('.')[2]} ({str(params[name].dtype).removeprefix('torch.')})"
+                for name in others[:4]
+            )
+            return (
+                f"{where} also directly owns parameters the plan does not keep ({shown}), "
+                "so its unit cannot all-gather in FP32"
+            )
+        return None
+
     def keep(fqn: str, module: nn.Module, into: list[str]) -> bool:
         read = find_direct_read(model, fqn)
-        if read is not None:
-            found.read_directly.append(read)
+        if read is None:
+            into.append(fqn)
+            return True
+        names = [name for name, _ in module.named_parameters(prefix=fqn)]
+        if not any(name in trainable for name in names):
+            found.read_directly.append(read)  # frozen: replicated, no collective at all
             return False
-        into.append(fqn)
-        return True
+        obstacle = reader_obstacle(read)
+        if obstacle is not None:
+            found.reader_obstacles[fqn] = obstacle
+            found.read_directly.append(read)
+        elif read.reader_fqn not in found.owners:
+            found.owners.append(read.reader_fqn)
+            add_owner_children(read.reader_fqn, model.get_submodule(read.reader_fqn))
+        return False
 
     def visit(fqn: str, module: nn.Module) -> None:
         if fully_kept(fqn):
@@ -135,16 +193,7 @@ def kept_modules(
                     nest(unit_fqn, unit_module)
             return
         if owns_only_kept(fqn, module) and keep(fqn, module, found.owners):
-            for child_name, child in module.named_children():
-                child_fqn = join(fqn, child_name)
-                if below.get(child_fqn) and not fully_kept(child_fqn):
-                    found.owner_children.extend(
-                        unit_fqn
-                        for unit_fqn, unit_module in callable_descendants(child_fqn, child)
-                        if not fully_kept(unit_fqn)
-                        and not is_target(unit_module)
-                        and not owns_only_kept(unit_fqn, unit_module)
-                    )
+            add_owner_children(fqn, module)
         for child_name, child in module.named_children():
             visit(join(fqn, child_name), child)
 

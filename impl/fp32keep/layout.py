@@ -17,7 +17,7 @@ together under one mixed-precision policy. Three kinds exist:
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
@@ -247,6 +247,7 @@ def plan_layout(
         lambda module_fqn: _innermost(unit_of_module, module_fqn),
         replicate_frozen=replicate_frozen,
         read_directly=selection.read_directly,
+        reader_obstacles=selection.reader_obstacles,
     )
     if problems:
         raise KeepLayoutError(problems, model_name=type(model).__name__)
@@ -274,6 +275,7 @@ def _assign_and_validate(
     *,
     replicate_frozen: bool,
     read_directly: Sequence[DirectRead] = (),
+    reader_obstacles: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, str], list[str], list[LayoutProblem]]:
     """``(owner, replicated, problems)``: the unit label of every parameter name, the kept
     frozen parameters left out of FSDP2, and every problem found (empty when the layout holds).
@@ -350,7 +352,8 @@ def _assign_and_validate(
         module_fqn = module_of_param[key]
         read = _read_covering(read_directly, module_fqn)
         if read is not None and unit.kind != "kept":
-            problems.append(_read_problem(first, read, unit.label, replicate_frozen, low))
+            obstacle = (reader_obstacles or {}).get(read.module_fqn)
+            problems.append(_read_problem(first, read, unit.label, replicate_frozen, low, obstacle))
         elif unit.kind == "root":
             problems.append(
                 LayoutProblem(
@@ -374,7 +377,12 @@ def _assign_and_validate(
 
 
 def _read_problem(
-    fqn: str, read: DirectRead, unit_label: str, replicate_frozen: bool, low: str
+    fqn: str,
+    read: DirectRead,
+    unit_label: str,
+    replicate_frozen: bool,
+    low: str,
+    obstacle: str | None = None,
 ) -> LayoutProblem:
     remedy = (
         "freeze it (requires_grad_(False): frozen kept modules read this way are replicated "
@@ -389,8 +397,9 @@ def _read_problem(
         f"({read.expression}) without calling it: FSDP2 all-gathers a unit in its forward hook, "
         "so as a unit of its own it would never be gathered (the first forward fails with "
         "'mixed torch.Tensor and DTensor'), and inside "
-        f"{unit_label!r} it would be all-gathered in the policy's param_dtype ({low}). "
-        f"Trainable, it cannot be kept: {remedy}.",
+        f"{unit_label!r} it would be all-gathered in the policy's param_dtype ({low})"
+        + (f"; nor can its reader's unit hold it: {obstacle}" if obstacle else "")
+        + f". Trainable, it cannot be kept: {remedy}.",
     )
 
 

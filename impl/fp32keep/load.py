@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from fp32keep.devices import collective_device
 from fp32keep.errors import StateDictError
 from fp32keep.load_meta import Fresh, allocate
 from fp32keep.load_move import Target, collect_targets, cut_evenly, move, scatters_directly
@@ -63,12 +64,6 @@ class LoadResult:
 
     missing_keys: tuple[str, ...] = ()
     unexpected_keys: tuple[str, ...] = ()
-
-
-def _comm_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _local_report(
@@ -323,7 +318,7 @@ def load_full_state_dict(
     if error is not None:
         raise error
 
-    device = torch.device("cpu") if cpu_offload else _comm_device()
+    device = torch.device("cpu") if cpu_offload else collective_device()
     prepared = _prepare(model, targets, reports, init_buffers, device, direct_bytes, src_rank)
     targets = prepared.targets
     gathered: list[tuple[str | None, tuple[str, ...], bytes] | None] = [None] * len(reports)
@@ -378,7 +373,7 @@ def _agree_installed(fresh: Fresh, world: int) -> None:
     """Raise on every rank if installing the received tensors failed on any (one small
     all-reduce: the lowest failing rank; its own exception is chained there)."""
     rank = dist.get_rank()
-    failed = torch.tensor([world if fresh.error is None else rank], device=_comm_device())
+    failed = torch.tensor([world if fresh.error is None else rank], device=collective_device())
     dist.all_reduce(failed, op=dist.ReduceOp.MIN)
     first = int(failed.item())
     if first < world:

@@ -34,11 +34,13 @@ class DirectRead:
         module_fqn: the module read.
         reader: the class of the ancestor whose source reads it.
         expression: what the source reads, e.g. ``embed_positions.weight``.
+        reader_fqn: the module whose class is ``reader`` (``""`` for the model itself).
     """
 
     module_fqn: str
     reader: str
     expression: str
+    reader_fqn: str = ""
 
 
 _SOURCES: dict[type, str] = {}
@@ -73,11 +75,61 @@ def find_direct_read(model: nn.Module, module_fqn: str) -> DirectRead | None:
     call = re.compile(rf"\b{name}\s*(?:\.\s*forward\s*)?\(")
     found: DirectRead | None = None
     for cut in range(len(parents), -1, -1):
-        ancestor = model.get_submodule(".".join(parents[:cut]))
+        ancestor_fqn = ".".join(parents[:cut])
+        ancestor = model.get_submodule(ancestor_fqn)
         source = _class_source(type(ancestor))
         if call.search(source):
             return None
         match = read.search(source)
         if match is not None and found is None:
-            found = DirectRead(module_fqn, type(ancestor).__name__, f"{name}.{match.group(1)}")
+            expression = f"{name}.{match.group(1)}"
+            found = DirectRead(module_fqn, type(ancestor).__name__, expression, ancestor_fqn)
     return found
+
+
+def _model_methods(module: nn.Module) -> set[str]:
+    """The public methods ``module``'s own model classes define: not ``nn.Module``'s and not
+    Transformers' generic mixins' (``.to(...)``, ``.float()``, ``.get_input_embeddings()``)."""
+    methods: set[str] = set()
+    for cls in type(module).__mro__:
+        if cls is nn.Module:
+            break
+        origin = cls.__module__ or ""
+        # torch's own classes (FSDP2's FSDP<Name> wrapper class, nn.ModuleDict) and
+        # Transformers' mixins add no model method
+        if origin.startswith("torch") or (
+            origin.startswith("transformers.") and ".models." not in origin
+        ):
+            continue
+        methods.update(
+            attr
+            for attr, value in vars(cls).items()
+            if inspect.isfunction(value) and not attr.startswith("_") and attr != "forward"
+        )
+    return methods
+
+
+def called_methods(model: nn.Module, module_fqn: str) -> tuple[str, ...]:
+    """The methods other than ``forward`` that an ancestor's source calls on ``module_fqn``.
+
+    FSDP2 all-gathers a unit around its ``forward`` only. Apertus 1.5 never calls its kept
+    tokenizers: it calls ``self.vision_tokenizer.encode(...)``, so as units of their own they
+    would run sharded (``mixed torch.Tensor and DTensor``). Such a method must be registered with
+    ``torch.distributed.fsdp.register_fsdp_forward_method`` on the unit. Found like
+    :func:`find_direct_read`: ``NAME.METHOD(`` in the source of an ancestor's class, for a
+    ``METHOD`` the module's own model classes define (:func:`_model_methods`). Sorted.
+    """
+    if not module_fqn:
+        return ()
+    *parents, name = module_fqn.split(".")
+    if not name.isidentifier():
+        return ()
+    own = _model_methods(model.get_submodule(module_fqn))
+    if not own:
+        return ()
+    call = re.compile(rf"\b{name}\s*\.\s*({'|'.join(map(re.escape, sorted(own)))})\s*\(")
+    found: set[str] = set()
+    for cut in range(len(parents), -1, -1):
+        source = _class_source(type(model.get_submodule(".".join(parents[:cut]))))
+        found.update(match.group(1) for match in call.finditer(source))
+    return tuple(sorted(found))

@@ -4,16 +4,25 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 
+from fp32keep.devices import collective_device
 from fp32keep.layout import KeptGrouping, Layout, WrapSpec, plan_layout
 from fp32keep.plan import KeepPlan, check_plan_fits, resolve_keep_plan
+from fp32keep.reads import called_methods
 from fp32keep.tensors import check_float_dtype, is_castable_float
 
 # fully_shard(ignored_params=...) arrived after torch 2.6; without it a frozen kept parameter
@@ -132,8 +141,12 @@ def apply_fsdp2(
     router's correction bias) cannot get a unit of its own; it is left out of FSDP2
     (``ignored_params``) and stays whole and FP32 on every rank (``Layout.replicated``). So is a
     frozen kept module that an ancestor reads without calling it (Voxtral's ``embed_positions``:
-    FSDP2 would never all-gather it); a trainable one is refused (``read-not-called``). Such reads
-    are found in the source of the ancestors' classes (:mod:`fp32keep.reads`).
+    FSDP2 would never all-gather it); a trainable one goes with its reader's kept unit where the
+    reader is its parent and owns only kept parameters, else it is refused
+    (``read-not-called``). Such reads are found in the source of the ancestors' classes
+    (:mod:`fp32keep.reads`), and so are the methods other than ``forward`` that an ancestor
+    calls on a unit (``tokenizer.encode(...)``): each is registered with
+    ``register_fsdp_forward_method``, so FSDP2 gathers the unit around it too.
 
     Args:
         model: the unsharded model, cast keep-aware (:func:`fp32keep.keep_aware_cast`).
@@ -189,8 +202,18 @@ def _shard(
         policy = kept_policy if unit.kind == "kept" else mp_policy
         options = dict(common, reshard_after_forward=False) if unit.stays_gathered else common
         fully_shard(targets if len(targets) > 1 else targets[0], mp_policy=policy, **options)
+        hook_called_methods(model, unit.module_fqns)
     if layout.replicated:
         _to_mesh_device(common["ignored_params"], mesh)
+
+
+def hook_called_methods(model: nn.Module, module_fqns: Iterable[str]) -> None:
+    """Make FSDP2 gather each sharded module of ``module_fqns`` around the methods other than
+    ``forward`` that its ancestors call on it (:func:`fp32keep.reads.called_methods`), as it
+    does around ``forward``; a no-op for modules no ancestor calls that way."""
+    for fqn in module_fqns:
+        for method in called_methods(model, fqn):
+            register_fsdp_forward_method(model.get_submodule(fqn), method)
 
 
 def _to_mesh_device(params: set[nn.Parameter], mesh: DeviceMesh) -> None:
@@ -201,11 +224,7 @@ def _to_mesh_device(params: set[nn.Parameter], mesh: DeviceMesh) -> None:
     ``Parameter`` objects, and so ties and optimizers, stay. A meta parameter stays meta: the
     loader materialises it on the collective's device.
     """
-    if mesh.device_type == "cpu":
-        device = torch.device("cpu")
-    else:
-        index = torch.get_device_module(mesh.device_type).current_device()
-        device = torch.device(mesh.device_type, index)
+    device = collective_device(mesh)
     with torch.no_grad():
         for param in params:
             if not param.is_meta and param.device != device:

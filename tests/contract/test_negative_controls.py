@@ -18,12 +18,10 @@ The ``operators`` row's negative control (a kept matmul computed in bf16) lives 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 
-from tests.inner_outcomes import InnerOutcome, assert_passed, junit_outcomes
+from tests.inner_outcomes import InnerOutcome, assert_passed, run_inner_session
 
 INNER = """
 import pytest
@@ -232,18 +230,9 @@ EXPECTED_FAILURES = {
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, InnerOutcome]:
     """Run the inner session once; per test, its outcome and failure text."""
     project = tmp_path_factory.mktemp("controls")
-    (project / "test_controls.py").write_text(INNER)
-    completed = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml=report.xml"],
-        cwd=project,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    found = junit_outcomes(project / "report.xml")
-    assert len(found) == 1 + len(EXPECTED_FAILURES), completed.stdout[-4000:]
-    return found
+    session = run_inner_session(project, {"test_controls.py": INNER}, "-q", timeout=900)
+    assert len(session.outcomes) == 1 + len(EXPECTED_FAILURES), session.output[-4000:]
+    return session.outcomes
 
 
 def test_fp32keep_passes_the_contract(outcomes: dict[str, InnerOutcome]) -> None:

@@ -6,6 +6,10 @@
   what ``output_dtype`` and ``reduce_dtype`` must not touch.
 * :class:`ReadStack`: an encoder that reads its kept, frozen ``embed_positions.weight`` without
   calling the module (Voxtral, AudioFlamingo3).
+* :class:`ConvReadStack`: a linear attention that hands its kept ``conv.weight`` to a kernel
+  without calling ``conv`` (Bailing-Hybrid, Glm5-Next): the reader is an owner unit holding it.
+* :class:`EncodeStack`: a kept tokenizer its parent calls through ``encode``, never through
+  ``forward`` (Apertus 1.5's vision and audio tokenizers): FSDP2 must gather it around ``encode``.
 * :class:`TowerStack`: a fully kept subtree with its own forward and wrap targets inside (Blip2's
   ``qformer`` under fp16): nested kept units.
 """
@@ -120,6 +124,41 @@ class ReadStack(nn.Module):
         return self.head(self.encoder(self.embed(ids)))
 
 
+class ConvAttention(nn.Module):
+    """Owns no parameter directly; runs a depthwise causal conv from ``conv.weight`` with
+    ``F.conv1d`` (as ``causal_conv1d_fn`` does) without ever calling ``conv``."""
+
+    def __init__(self, width: int = 8, kernel: int = 3) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(width, width, bias=False)
+        self.conv = nn.Conv1d(width, width, kernel, groups=width, bias=False)
+        self.o_proj = nn.Linear(width, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.conv.weight
+        q = self.q_proj(x).transpose(1, 2).to(weight.dtype)  # FP32 when the conv is kept
+        q = nn.functional.conv1d(
+            nn.functional.pad(q, (weight.shape[-1] - 1, 0)), weight, None, 1, 0, 1, q.shape[1]
+        )
+        return self.o_proj(q.transpose(1, 2).to(x.dtype))
+
+
+class ConvBlock(nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.norm = RMSNorm(width)
+        self.self_attn = ConvAttention(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.self_attn(self.norm(x))
+
+
+class ConvReadStack(_BlockStack):
+    block = ConvBlock
+    _no_split_modules: ClassVar[list[str]] = ["ConvBlock"]
+    _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["conv"]
+
+
 class TowerLayer(nn.Module):
     def __init__(self, width: int = 8) -> None:
         super().__init__()
@@ -158,3 +197,33 @@ class TowerStack(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.block(self.tower(self.embed(ids))))
+
+
+class Tokenizer(nn.Module):
+    """Kept; computes in FP32 and hands back the stream dtype. Used through ``encode`` only."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, width))
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.proj(x.to(self.scale.dtype)) * self.scale).to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - never called
+        return self.encode(x)
+
+
+class EncodeStack(nn.Module):
+    _no_split_modules: ClassVar[list[str]] = ["Block"]
+    _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["tokenizer"]
+
+    def __init__(self, width: int = 8, vocab: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.tokenizer = Tokenizer(width)
+        self.block = Block(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.tokenizer.encode(self.embed(ids))))

@@ -12,8 +12,8 @@ from torch import nn
 
 from fp32keep import KeepLayoutError, keep_aware_cast, plan_layout, resolve_keep_plan
 from fp32keep.layout import Layout
-from fp32keep.reads import find_direct_read
-from tests.core.kept_toys import ReadStack, SinkStack, TowerStack
+from fp32keep.reads import called_methods, find_direct_read
+from tests.core.kept_toys import ConvReadStack, EncodeStack, ReadStack, SinkStack, TowerStack
 from tests.core.toys import stack_class
 
 BF16 = torch.bfloat16
@@ -100,9 +100,32 @@ def test_frozen_kept_module_read_without_a_call_is_replicated_not_a_unit() -> No
     assert layout.replicated == ("encoder.embed_positions.weight",)
 
 
-def test_trainable_kept_module_read_without_a_call_is_refused_naming_it() -> None:
+def test_trainable_kept_module_read_without_a_call_goes_with_its_reader() -> None:
+    # Bailing-Hybrid's shape: the attention hands conv.weight to a kernel, never calls conv.
+    layout = layout_of(ConvReadStack())
+    order = units(layout)
+    assert ("kept", ("layers.0.self_attn",)) in order
+    assert all("layers.0.self_attn.conv" not in fqns for _, fqns in order)
+    assert order.index(("standard", ("layers.0.self_attn.q_proj",))) < order.index(
+        ("kept", ("layers.0.self_attn",))
+    )
+    assert layout.owner["layers.0.self_attn.conv.weight"] == "layers.0.self_attn"
+    assert layout.owner["layers.0.self_attn.o_proj.weight"] == "layers.0.self_attn.o_proj"
+    assert layout.owner["layers.0.norm.weight"] == "layers.0"
+    # Voxtral's shape made trainable: the reader owns nothing itself, its blocks are targets.
     model = ReadStack()
     model.encoder.embed_positions.requires_grad_(True)
+    held = layout_of(model)
+    assert held.owner["encoder.embed_positions.weight"] == "encoder"
+    assert held.replicated == ()
+
+
+def test_trainable_kept_module_read_without_a_call_is_refused_naming_it() -> None:
+    # Negative control: a reader that also owns a parameter not kept cannot hold the read
+    # module (its unit would be of mixed dtype); the refusal names the reader and the dtype.
+    model = ReadStack()
+    model.encoder.embed_positions.requires_grad_(True)
+    model.encoder.register_parameter("scale", nn.Parameter(torch.ones(8)))
     error = refusal(model)
     assert [(p.fqn, p.reason) for p in error.problems] == [
         ("encoder.embed_positions.weight", "read-not-called")
@@ -111,6 +134,8 @@ def test_trainable_kept_module_read_without_a_call_is_refused_naming_it() -> Non
     assert "module 'encoder.embed_positions', which PositionReader reads directly" in text
     assert "(embed_positions.weight) without calling it" in text
     assert "mixed torch.Tensor and DTensor" in text and "freeze it" in text
+    assert "its reader 'encoder' (PositionReader) also directly owns parameters" in text
+    assert "scale (bfloat16)" in text
     # without replication support (older torch) the frozen one is refused the same way
     frozen = ReadStack()
     plan = resolve_keep_plan(frozen, BF16, transformers_version=SEMANTICS)
@@ -161,3 +186,13 @@ def test_frozen_owner_parameters_stay_replicated() -> None:
     layout = layout_of(model)
     assert layout.replicated == ("layers.0.self_attn.sinks", "layers.1.self_attn.sinks")
     assert all(unit.kind != "kept" for unit in layout.units)
+
+
+def test_methods_a_parent_calls_instead_of_forward_are_found() -> None:
+    model = EncodeStack()
+    assert called_methods(model, "tokenizer") == ("encode",)
+    # Called through forward, or through methods nn.Module defines (`.float()`, `.to(...)`):
+    # nothing to register.
+    assert called_methods(model, "block") == ()
+    assert called_methods(model, "head") == ()
+    assert called_methods(model, "") == ()

@@ -23,7 +23,14 @@ import fp32keep
 from fp32keep import KeepLayoutError
 from fp32keep.wrap import kept_unit_policy
 from pytest_fp32keep import assert_fp32_keep_contract
-from tests.core.kept_toys import ReadStack, RouterStack, SinkStack, TowerStack
+from tests.core.kept_toys import (
+    ConvReadStack,
+    EncodeStack,
+    ReadStack,
+    RouterStack,
+    SinkStack,
+    TowerStack,
+)
 from tests.error_bounds import LIBRARY_BOUND_S
 from tests.multirank.refusals import refused_on_every_rank as shared_refused_on_every_rank
 from tests.untouched import assert_unchanged, snapshot
@@ -170,9 +177,46 @@ def test_negative_control_module_read_without_a_call_as_its_own_unit(mesh: Devic
         step(model)
 
 
+def test_trainable_module_read_without_a_call_goes_with_its_reader(mesh: DeviceMesh) -> None:
+    # Bailing-Hybrid's conv1d: its reader's unit all-gathers conv.weight in FP32, sharded at rest.
+    model, reference, plan = built(ConvReadStack)
+    attention = model.layers[0].self_attn
+    seen: list[tuple[bool, torch.dtype]] = []
+    attention.register_forward_pre_hook(
+        lambda m, a: seen.append((isinstance(m.conv.weight, DTensor), m.conv.weight.dtype))
+    )
+    fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=EXACT_POLICY, plan=plan)
+    assert isinstance(attention.conv.weight, DTensor)  # sharded, not replicated
+    assert torch.equal(step(model), step(reference))
+    assert seen == [(False, FP32)]
+    got, want = grads(model), grads(reference)
+    assert set(got) == set(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_negative_control_reader_sharded_with_the_callers_policy(mesh: DeviceMesh) -> None:
+    # The same units, the reader's with the caller's policy: conv.weight gathered in bf16.
+    model, _, _ = built(ConvReadStack)
+    seen: list[torch.dtype] = []
+    model.layers[0].self_attn.register_forward_pre_hook(
+        lambda m, a: seen.append(m.conv.weight.dtype)
+    )
+    for layer in model.layers:
+        fully_shard(layer.self_attn.q_proj, mesh=mesh, mp_policy=EXACT_POLICY)
+        fully_shard(layer.self_attn.o_proj, mesh=mesh, mp_policy=EXACT_POLICY)
+        fully_shard(layer.self_attn, mesh=mesh, mp_policy=EXACT_POLICY)
+        fully_shard(layer, mesh=mesh, mp_policy=EXACT_POLICY)
+    fully_shard(model, mesh=mesh, mp_policy=EXACT_POLICY)
+    step(model)
+    assert seen == [BF16]
+
+
 def test_trainable_module_read_without_a_call_is_refused_on_every_rank(mesh: DeviceMesh) -> None:
+    # A reader that also owns a parameter not kept cannot hold it: refused, nothing sharded.
     model, _, plan = built(ReadStack)
     model.encoder.embed_positions.requires_grad_(True)
+    model.encoder.register_parameter("scale", nn.Parameter(torch.ones(8, dtype=BF16)))
     before = snapshot(model)
     error = refused_on_every_rank(
         lambda: fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=EXACT_POLICY, plan=plan),
@@ -320,3 +364,27 @@ def test_openai_privacy_filter_sinks_are_an_owner_unit(mesh: DeviceMesh) -> None
     got = attention.sinks.grad
     assert got is not None and isinstance(got, DTensor)
     assert torch.equal(got.full_tensor(), reference.model.layers[0].self_attn.sinks.grad)
+
+
+def test_kept_unit_called_through_a_method_is_gathered_around_it(mesh: DeviceMesh) -> None:
+    # Apertus 1.5's tokenizers: the parent calls `tokenizer.encode(...)`, never the module.
+    model, reference, plan = built(EncodeStack)
+    fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=EXACT_POLICY, plan=plan)
+    assert isinstance(model.tokenizer.scale, DTensor)  # sharded at rest
+    assert torch.equal(step(model), step(reference))
+    got, want = grads(model), grads(reference)
+    assert set(got) == set(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_negative_control_kept_unit_called_through_a_method_left_unhooked(
+    mesh: DeviceMesh,
+) -> None:
+    # The same units without `register_fsdp_forward_method`: `encode` meets the sharded weights.
+    model, _, _ = built(EncodeStack)
+    fully_shard(model.tokenizer, mesh=mesh, mp_policy=kept_unit_policy(EXACT_POLICY))
+    fully_shard(model.block, mesh=mesh, mp_policy=EXACT_POLICY)
+    fully_shard(model, mesh=mesh, mp_policy=EXACT_POLICY)
+    with pytest.raises(Exception, match=r"mixed torch\.Tensor and DTensor"):
+        step(model)

@@ -38,6 +38,7 @@ from pytest_fp32keep import ContractViolation, assert_fp32_keep_contract
 from pytest_fp32keep.check.zoo import ZOO
 from pytest_fp32keep.check.zoo.batches import causal_lm_batch
 from pytest_fp32keep.contract.control import unit_layout
+from tests.zoo_entries import available_or_skip
 
 pytestmark = pytest.mark.fsdp2
 
@@ -69,14 +70,9 @@ def peft_batch(name: str) -> Callable[[nn.Module], Any]:
     return lambda model: ZOO[name].make_batch(model, 0)
 
 
-def skip_unavailable(name: str) -> None:
-    if (reason := ZOO[name].unavailable_reason()) is not None:
-        pytest.skip(reason)
-
-
 @pytest.mark.parametrize("name", list(PEFT_CASES))
 def test_peft_lora_model_keeps_the_whole_contract(mesh: DeviceMesh, name: str) -> None:
-    skip_unavailable(name)
+    available_or_skip(name)
     _, dtype = PEFT_CASES[name]
     report = assert_fp32_keep_contract(
         peft_factory(name), peft_batch(name), mesh=mesh, dtype=dtype, autocast=True
@@ -168,7 +164,7 @@ def critic_loss(output: Mapping[str, torch.Tensor]) -> torch.Tensor:
 
 
 def test_value_head_critic_keeps_the_whole_contract(mesh: DeviceMesh) -> None:
-    skip_unavailable("gpt_oss")
+    available_or_skip("gpt_oss")
     report = assert_fp32_keep_contract(
         value_head_critic,
         lambda model: causal_lm_batch(model.pretrained_model, 0),  # type: ignore[arg-type]
@@ -191,6 +187,16 @@ def blip2() -> Any:
     model = ZOO["blip2"].build()
     model.query_tokens.requires_grad_(False)
     return model
+
+
+def blip2_fp16() -> tuple[Any, KeepPlan, MixedPrecisionPolicy]:
+    """:func:`blip2` cast keep-aware to fp16, its plan, and the policy its units get (fp16
+    compute, FP32 reduce); skipped where the installed release has no Blip2."""
+    available_or_skip("blip2")
+    model = blip2()
+    plan = fp32keep.resolve_keep_plan(model, FP16)
+    fp32keep.keep_aware_cast(model, FP16, plan=plan)
+    return model, plan, MixedPrecisionPolicy(param_dtype=FP16, reduce_dtype=torch.float32)
 
 
 def qformer_attentions(model: Any) -> dict[str, nn.Module]:
@@ -233,11 +239,7 @@ def fsdp_policy(module: nn.Module) -> MixedPrecisionPolicy:
 
 
 def test_blip2_qformer_attentions_are_nested_kept_units(mesh: DeviceMesh) -> None:
-    skip_unavailable("blip2")
-    model = blip2()
-    plan = fp32keep.resolve_keep_plan(model, FP16)
-    fp32keep.keep_aware_cast(model, FP16, plan=plan)
-    policy = MixedPrecisionPolicy(param_dtype=FP16, reduce_dtype=torch.float32)
+    model, plan, policy = blip2_fp16()
     attentions = qformer_attentions(model)
     assert len(attentions) == 2 * len(model.qformer.encoder.layer)  # self- and cross-attention
     fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=policy, plan=plan)
@@ -262,11 +264,7 @@ def test_blip2_qformer_attentions_are_nested_kept_units(mesh: DeviceMesh) -> Non
 def test_negative_control_blip2_qformer_as_one_unit_gathers_every_attention(
     mesh: DeviceMesh,
 ) -> None:
-    skip_unavailable("blip2")
-    model = blip2()
-    plan = fp32keep.resolve_keep_plan(model, FP16)
-    fp32keep.keep_aware_cast(model, FP16, plan=plan)
-    policy = MixedPrecisionPolicy(param_dtype=FP16, reduce_dtype=torch.float32)
+    model, _, policy = blip2_fp16()  # the same model, cast and policy as the test above
     attentions = qformer_attentions(model)
     # The layout before nesting: the qformer one kept unit, the rest as fp32keep lays it out.
     fully_shard(model.qformer, mesh=mesh, mp_policy=kept_unit_policy(policy))
@@ -277,7 +275,7 @@ def test_negative_control_blip2_qformer_as_one_unit_gathers_every_attention(
 
 
 def test_blip2_with_nested_kept_units_keeps_the_whole_contract(mesh: DeviceMesh) -> None:
-    skip_unavailable("blip2")
+    available_or_skip("blip2")
     report = assert_fp32_keep_contract(
         blip2, lambda model: ZOO["blip2"].make_batch(model, 0), mesh=mesh, dtype=FP16, autocast=True
     )

@@ -11,8 +11,6 @@ they do on the wire. Then one real failure at 3 ranks: a known-wrong implementat
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,8 @@ from pytest_fp32keep.contract.master import validate_master_dtype
 from pytest_fp32keep.contract.report import Finding
 from pytest_fp32keep.runner import reports
 from pytest_fp32keep.runner.tracebacks import hide_library_frames, merge_key
+from tests.inner_outcomes import run_inner_session
+from tests.plugin._inner import failure_section
 from tests.plugin.test_units import INFO  # the same test item the runner's unit tests report
 
 # --- the violation's message ---------------------------------------------------------------
@@ -226,24 +226,14 @@ WRONG = "test_kept_units_with_the_callers_bf16_policy"
 MAX_FAILURE_LINES = 80
 
 
-def failure_section(stdout: str, test: str) -> str:
-    """The ``_____ test _____`` block of pytest's FAILURES section."""
-    match = re.search(rf"_{{3,}} {test} _{{3,}}\n(.*?)(?=\n_{{3,}} |\n={{3,}} )", stdout, re.S)
-    assert match, stdout[-3000:]
-    return match.group(1)
-
-
 def test_one_contract_failure_at_three_ranks_is_one_traceback(tmp_path: Path) -> None:
     from tests.contract.test_negative_controls import INNER
 
-    (tmp_path / "test_controls.py").write_text(INNER)
-    completed = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--fsdp-nproc", "3",
-         f"test_controls.py::{WRONG}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
-    assert completed.returncode == 1, completed.stdout[-4000:] + completed.stderr[-2000:]
-    text = failure_section(completed.stdout, WRONG)
+    files = {"test_controls.py": INNER}
+    target = f"test_controls.py::{WRONG}"
+    session = run_inner_session(tmp_path, files, "--fsdp-nproc", "3", target, timeout=600)
+    assert session.returncode == 1, session.output[-6000:]
+    text = failure_section(session.output, WRONG)
     lines = text.splitlines()
     assert "fsdp2: call failed on ranks 0,1,2 of 3" in text
     assert re.search(r"-+ ranks 0,1,2 \(root cause: first to fail\) -+", text), text

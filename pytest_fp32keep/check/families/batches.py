@@ -5,7 +5,9 @@ Which batch a model gets is read from its config (:func:`batch_kind`), not from 
 ``num_query_tokens`` with a ``vision_config`` is a Q-Former model (the zoo's Blip2 batch, whose
 vision tower and Q-Former get gradients); ``is_encoder_decoder`` is seq2seq; anything else gets
 text (``input_ids`` and ``labels``). Text ids avoid the special and placeholder ids that
-:mod:`.shrink` moved to the ends of the vocabulary.
+:mod:`.shrink` moved to the ends of the vocabulary. Audio beyond Whisper-style mel clips
+(time-major mels, speech encoders with a CTC head, text-to-speech latents) is :mod:`.audio`'s,
+read from the model's forward and layers.
 
 Floating inputs come the way a real caller gives them: the features a feature extractor or image
 processor makes (``input_features``, ``pixel_values``) are in the model's dtype
@@ -23,13 +25,14 @@ Q-Former kinds cast the zoo's batch here.
 
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import Any
 
 import torch
 from torch import nn
 
-from pytest_fp32keep.check.families import vision
+from pytest_fp32keep.check.families import audio, vision
 from pytest_fp32keep.check.families.shrink import TEXT_HIGH, TEXT_LOW
 from pytest_fp32keep.check.zoo.batches import (
     BATCH_SIZE,
@@ -42,6 +45,8 @@ BATCH_KINDS = ("text", "seq2seq", "qformer", "qformer-video", "audio", "vision-g
 _VIDEO_FRAMES = 4
 #: Mel frames of a clip for an audio tower without ``max_source_positions``.
 _AUDIO_FRAMES = 32
+#: Frames of a clip of discrete mel-bin ids (Inkling's audio tower embeds one per frame).
+_RAW_AUDIO_FRAMES = 4
 #: The inputs a feature extractor or image processor makes: given in the model's dtype.
 _FEATURE_INPUTS = frozenset({"input_features", "pixel_values"})
 
@@ -95,12 +100,21 @@ def family_batch(model: nn.Module, seed: int | torch.Generator) -> dict[str, tor
         return _features_in_model_dtype(model, vision_language_batch(model, seed))
     if kind == "qformer-video":
         return _features_in_model_dtype(model, _video_batch(model, config, _generator(seed)))
+    if kind == "audio" and audio.is_tokenized_audio(model):  # a waveform tokenizer (Apertus-1.5)
+        return audio.tokenized_batch(model, _fp32_twin(model), config, _generator(seed))
+    raw_audio = _raw_audio_input(model) if kind == "audio" else None
+    if raw_audio is not None:
+        return _raw_audio_batch(model, config, raw_audio, _generator(seed))
+    if audio.is_latent_tts(model, config):  # text-to-speech on audio latents (PocketTTS)
+        return audio.latent_batch(model, config, _generator(seed))
+    if kind == "text" and audio.is_speech_encoder(model):  # mel frames in, no text (CTC)
+        return audio.speech_batch(model, config, _generator(seed))
     if kind == "audio":
         return _audio_batch(model, config, _generator(seed))
     generator = _generator(seed)
     if kind == "vision-grid":
-        images = vision.grid_pixels(model, config, generator)
-        return vision.placeholder_batch(model, config, images, generator)
+        images, embeddings = vision.grid_images(model, config, generator)
+        return vision.placeholder_batch(model, config, images, generator, embeddings)
     accepted = _forward_parameters(model)
     # A whole-image tower without placeholder tokens (Udop's patches beside the text):
     # pixels too, so the tower runs and gets gradients.
@@ -166,13 +180,52 @@ def _audio_batch(model: nn.Module, config: Any, generator: torch.Generator) -> d
     accepted = _forward_parameters(model)
     if "input_features_mask" in accepted:
         batch["input_features_mask"] = torch.ones((BATCH_SIZE, frames), dtype=torch.long)
-    per_sample = _audio_embeddings(model, batch) // BATCH_SIZE
+    per_sample = _count_in_a_layout(model, batch) // BATCH_SIZE
     token = int(config.audio_token_id)
     placeholders = torch.full((BATCH_SIZE, per_sample), token, dtype=torch.long)
     text = _text(generator)
     batch["input_ids"] = torch.cat([placeholders, text], dim=1)
     batch["labels"] = torch.cat([torch.full_like(placeholders, -100), text], dim=1)
     return batch
+
+
+def _count_in_a_layout(model: nn.Module, batch: dict[str, Any]) -> int:
+    """:func:`_audio_embeddings` of ``batch``, its features in the first layout of
+    :func:`.audio.mel_layouts` that the model's own audio method accepts (``batch`` is changed
+    to that layout); the first layout's error when none is."""
+    twin, first_error = _fp32_twin(model), None
+    for features in audio.mel_layouts(batch["input_features"]):
+        trial = {**batch, "input_features": features}
+        try:
+            count = _audio_embeddings(twin, _fp32_features(trial))
+        except (RuntimeError, ValueError) as error:  # a shape the tower refuses
+            first_error = first_error or error
+            continue
+        batch["input_features"] = features
+        return count
+    assert first_error is not None
+    raise first_error
+
+
+def _fp32_twin(model: nn.Module) -> nn.Module:
+    """``model`` itself when it is FP32, else an FP32 copy of it, to count embeddings on.
+
+    The count is a shape, the same in every dtype; counting on the cast model would make the
+    batch depend on whether the model's low-precision forward runs on this device at all
+    (AudioFlamingo3's tower adds its FP32-kept ``embed_positions`` without casting back, and
+    torch's CPU ``layer_norm`` refuses the FP32 activations with its bf16 weights). Whether the
+    cast model runs is the unsharded reference's step to show, not the batch's.
+    """
+    if model_input_dtype(model) == torch.float32:
+        return model
+    return copy.deepcopy(model).float()
+
+
+def _fp32_features(batch: dict[str, Any]) -> dict[str, Any]:
+    return {
+        key: value.float() if key in _FEATURE_INPUTS and value.is_floating_point() else value
+        for key, value in batch.items()
+    }
 
 
 def _audio_embeddings(model: nn.Module, batch: dict[str, Any]) -> int:
@@ -208,6 +261,58 @@ def _tower_lengths(model: nn.Module, batch: dict[str, Any]) -> int:
     lengths = torch.full((BATCH_SIZE,), frames) if mask is None else mask.sum(-1)
     out = tower._get_feat_extract_output_lengths(lengths.to(torch.long))
     return int((out[-1] if isinstance(out, tuple) else out).sum())
+
+
+#: The first argument of an audio-features method that takes no mel features, and what it is:
+#: MuseSpark's waveform, Inkling's discretised mel bins.
+_RAW_AUDIO_INPUTS = ("input_values", "audio_input_ids")
+
+
+def _audio_features_method(model: nn.Module) -> Any:
+    """The model's ``get_audio_features`` (on the model or its base model), or ``None``."""
+    base: Any = getattr(model, "model", model)
+    return getattr(model, "get_audio_features", None) or getattr(base, "get_audio_features", None)
+
+
+def _raw_audio_input(model: nn.Module) -> str | None:
+    """Which of :data:`_RAW_AUDIO_INPUTS` the model's audio method takes first, if any."""
+    get = _audio_features_method(model)
+    if get is None:
+        return None
+    first = next(iter(inspect.signature(get).parameters), None)
+    return first if first in _RAW_AUDIO_INPUTS else None
+
+
+def _raw_audio(model: nn.Module, config: Any, name: str, generator: torch.Generator) -> Any:
+    """A clip per sample for a tower that takes ``name`` (one of :data:`_RAW_AUDIO_INPUTS`)."""
+    audio = config.audio_config
+    if name == "input_values":
+        # two embeddings' worth of samples: the tower refuses a length that is not whole ones
+        samples = 2 * int(audio.samples_per_token)
+        wave = torch.randn((BATCH_SIZE, samples), generator=generator)
+        return wave.to(model_input_dtype(model))
+    # one mel bin id per frame and mel channel, each below the per-channel vocabulary
+    shape = (BATCH_SIZE, _RAW_AUDIO_FRAMES, int(audio.num_codebooks))
+    return torch.randint(0, int(audio.codebook_size), shape, generator=generator)
+
+
+def _raw_audio_batch(
+    model: nn.Module, config: Any, name: str, generator: torch.Generator
+) -> dict[str, Any]:
+    """Raw audio (:func:`_raw_audio`), as many placeholders as the model's own
+    ``get_audio_features`` makes embeddings of it, then text; labels ignore the placeholders."""
+    clip = _raw_audio(model, config, name, generator)
+    with torch.no_grad():
+        out = _audio_features_method(model)(clip)
+    tensor = out.pooler_output if out.pooler_output is not None else out.last_hidden_state
+    per_sample = int(tensor.reshape(-1, tensor.shape[-1]).shape[0]) // BATCH_SIZE
+    placeholders = torch.full((BATCH_SIZE, per_sample), int(config.audio_token_id))
+    text = _text(generator)
+    return {
+        name: clip,
+        "input_ids": torch.cat([placeholders, text], dim=1),
+        "labels": torch.cat([torch.full_like(placeholders, -100), text], dim=1),
+    }
 
 
 def _video_batch(model: nn.Module, config: Any, generator: torch.Generator) -> dict[str, Any]:

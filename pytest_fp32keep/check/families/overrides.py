@@ -31,6 +31,11 @@ OVERRIDES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
                 }
             }
         },
+        # Its image and audio tokenizers' codes are vocabulary ranges: image codes start at
+        # image_token_offset and end where audio codes start (audio_token_offset), and those
+        # end inside the vocabulary (its validator). With 16-entry codebooks (shrink.TINY) in
+        # the tiny vocabulary: two ranges of 16, below the placeholders at the top.
+        "apertus1p5": {"image_token_offset": 64, "audio_token_offset": 80},
         # Its head decodes max_text_length + 1 steps one by one (500 by default: a minute
         # per forward on CPU); its neck's output_channels feed post_conv_in_channels, two
         # fields whose names other configs use for other things, so set together here.

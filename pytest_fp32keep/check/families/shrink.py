@@ -58,6 +58,7 @@ TINY: Mapping[str, Any] = MappingProxyType(
                 "out_hidden_size",
                 "projection_dim",
                 "word_embed_proj_dim",
+                "hidden_sizes",  # per stage of a hierarchical tower (MuseSpark's audio)
             ),
             HIDDEN,
         ),
@@ -133,6 +134,8 @@ TINY: Mapping[str, Any] = MappingProxyType(
         "num_mel_bins": 16,
         # audio codecs (Encodec, Mimi): the first conv's channels, doubled at each downsampling
         "num_filters": 4,
+        # discrete tokenizers' codebooks (Apertus-1.5's image tokenizer: 131,072 entries)
+        "codebook_size": 16,
         # no randomness: the contract compares runs bit for bit
         **dict.fromkeys(
             (
@@ -230,7 +233,9 @@ def shrink_dict(tree: dict[str, Any], overrides: Mapping[str, Any], next_top: li
         if key in TINY and _number(value):
             tree[key] = _smaller(value, TINY[key])
         elif key in TINY and isinstance(value, list) and value and all(map(_number, value)):
-            tree[key] = [_smaller(item, TINY[key]) for item in value]  # one per tower
+            # one per tower, or one per stage (MuseSpark's audio hidden_sizes): then cut too
+            kept = cut_layers(value) if old_layers and len(value) == old_layers else value
+            tree[key] = [_smaller(item, TINY[key]) for item in kept]
         elif old_layers and isinstance(value, list) and len(value) == old_layers:
             tree[key] = cut_layers(value)
         elif old_layers and _is_per_layer_mapping(value, old_layers):
@@ -315,6 +320,13 @@ def _consistent(tree: dict[str, Any]) -> None:
                 tree[key] = min(TINY[key], experts)
             if isinstance(tree.get(key), int) and tree[key] > experts:
                 tree[key] = experts
+    if experts is not None and "mlp_layer_types" in tree and tree["mlp_layer_types"] is None:
+        # Unset by default and not derived (5.24's DeepseekOcr2TextConfig: its checkpoint sets
+        # it), yet every decoder layer indexes it: one dense layer first, as DeepSeek's
+        # first_k_dense_replace does, then sparse ones, so the routed experts (and their
+        # kept gate) exist.
+        layers = next((tree[k] for k in _LAYER_COUNT_KEYS if isinstance(tree.get(k), int)), 0)
+        tree["mlp_layer_types"] = ["dense"] + ["sparse"] * (layers - 1) if layers > 1 else None
     rope = tree.get("rope_parameters") or tree.get("rope_scaling")
     if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list):
         # The sections split the rotary half of head_dim: keep their count, rescale the sum.

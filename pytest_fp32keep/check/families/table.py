@@ -1,14 +1,21 @@
 """``docs/families.md``: family x Transformers version x dtype, from ``fp32keep check`` reports.
 
     python -m pytest_fp32keep.check.families.table --output docs/families.md \\
-        --versions 4.56,5.10,latest REPORT.json ...
+        --versions 4.56,5.10,latest [--oracle JUNIT.xml ...] REPORT.json ...
 
 Each REPORT is the ``--report-json`` of one ``fp32keep check --all-families`` run (one
 Transformers version; its version is read from the report). A cell is ``pass`` (with how many
 tensors are kept), ``refused (reason)`` (``apply_fsdp2`` raised ``KeepLayoutError``: its reason
-tags and the refused tensors), ``not buildable (reason)``, or ``FAIL (row)`` (the failing checks,
-or the error's last line); ``-`` where that version has no such family. A version of
+tags and the refused tensors), ``not buildable (reason)``, ``not runnable (reason)`` (the
+unsharded reference itself crashed, see :func:`reference_crash`), or ``FAIL (row)`` (the failing
+checks, or the error's last line); ``-`` where that version has no such family. A version of
 ``--versions`` without a report is ``not yet run``: nothing is invented.
+
+Each ``--oracle`` is the JUnit XML of one run of the plan oracle (``tests/test_families.py``
+with ``FP32KEEP_ALL_FAMILIES=1``) under one Transformers version, which the run records as the
+test-suite property ``transformers``; the page's "Plan oracle" section says per version how many
+family x dtype cases were compared with ``from_pretrained``, how many were equal, which differed,
+which could not be compared (the round trip raised), and how many were skipped (not buildable).
 """
 
 from __future__ import annotations
@@ -16,17 +23,18 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import xml.etree.ElementTree as ElementTree
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pytest_fp32keep.check.targets import FAMILY_PREFIX
 
 DTYPES = ("bf16", "fp16")
 #: How much of a reason a cell keeps.
 _CELL_CHARS = 140
-KINDS = ("pass", "refused", "not buildable", "FAIL")
+KINDS = ("pass", "refused", "not buildable", "not runnable", "FAIL")
 
 
 def _short(text: str) -> str:
@@ -49,11 +57,36 @@ def case_cell(case: dict[str, Any]) -> str:
         return f"pass ({kept} kept)" if kept else "pass (nothing kept)"
     if outcome == "pass":
         return "FAIL (not refused, though the zoo expects KeepLayoutError)"
+    crash = reference_crash(case)
+    if crash is not None:
+        return f"not runnable (unsharded reference: {_short(crash)})"
     if outcome == "fail":
         failed = sorted({finding["check"] for finding in case.get("failures", [])})
         return f"FAIL ({', '.join(failed) or 'contract'})"
     lines = [line for line in str(case.get("message", "")).strip().splitlines() if line.strip()]
     return f"FAIL ({_short(lines[-1] if lines else 'error')})"
+
+
+def reference_crash(case: dict[str, Any]) -> str | None:
+    """The exception of the unsharded reference's forward or backward, when that crash is the
+    case's only failure; else ``None``.
+
+    The ``reference`` step runs the model cast the keep-aware way (what ``from_pretrained(dtype=D)``
+    gives: the plan oracle of ``tests/test_families.py`` checks that per family), unsharded, in the
+    case's context, before FSDP2 runs anything: a model that crashes there cannot run at that
+    dtype on that device at all (AudioFlamingo3 on CPU: ``mixed dtype (CPU)``). That is not a
+    FSDP2 result, so the cell says ``not runnable`` and why, never ``pass``. Any other failing
+    check beside it keeps the case a ``FAIL``.
+    """
+    if case.get("outcome") != "fail":
+        return None
+    failures = list(case.get("failures", []))
+    if not failures or any(
+        (finding.get("check"), finding.get("subject")) != ("crashed", "reference")
+        for finding in failures
+    ):
+        return None
+    return str(failures[0].get("observed", "error"))
 
 
 def report_cells(report: dict[str, Any]) -> dict[tuple[str, str], str]:
@@ -83,8 +116,97 @@ def _label(version: str, labels: Sequence[str]) -> str:
     return "latest"
 
 
-def render(reports: Sequence[dict[str, Any]], labels: Sequence[str]) -> str:
-    """The whole ``docs/families.md``."""
+#: The oracle's test function in ``tests/test_families.py``; its cases are what the section counts.
+ORACLE_TEST = "test_family_plan_matches_from_pretrained"
+
+
+class OracleRun(NamedTuple):
+    """One plan-oracle run read from its JUnit XML (cases are ``FAMILY-DTYPE`` ids)."""
+
+    transformers: str
+    equal: tuple[str, ...]
+    differing: tuple[str, ...]
+    errors: tuple[str, ...]
+    skipped: tuple[str, ...]
+
+    @property
+    def compared(self) -> int:
+        """Cases where the plan was compared with ``from_pretrained`` (equal or not)."""
+        return len(self.equal) + len(self.differing)
+
+    def summary(self) -> str:
+        """One line: the counts, and every differing or erroring case by name."""
+
+        def named(cases: tuple[str, ...]) -> str:
+            return f" ({', '.join(cases)})" if cases else ""
+
+        return (
+            f"transformers {self.transformers}: {self.compared} family x dtype cases compared "
+            f"with from_pretrained, {len(self.equal)} equal, {len(self.differing)} "
+            f"differing{named(self.differing)}, {len(self.errors)} not compared (an error in "
+            f"the round trip){named(self.errors)}, {len(self.skipped)} skipped (not buildable)"
+        )
+
+
+def read_oracle(path: Path) -> OracleRun:
+    """The oracle cases of one JUnit XML file (other tests of the file are not counted).
+
+    A case is named by its parametrize id, ``FAMILY-DTYPE``. It differs when it failed on an
+    ``AssertionError`` (the oracle's verdict), is an error when it failed on anything else
+    (``save_pretrained`` / ``from_pretrained`` raised) or errored in a fixture, is skipped when
+    it has ``<skipped>``, and is equal otherwise.
+    """
+    root = ElementTree.parse(path).getroot()
+    version = next(
+        (
+            str(prop.get("value"))
+            for prop in root.iter("property")
+            if prop.get("name") == "transformers"
+        ),
+        "?",
+    )
+    found: dict[str, list[str]] = {"equal": [], "differing": [], "errors": [], "skipped": []}
+    for case in root.iter("testcase"):
+        if not str(case.get("name", "")).startswith(ORACLE_TEST + "["):
+            continue
+        name = str(case.get("name"))[len(ORACLE_TEST) + 1 : -1]  # FAMILY-DTYPE
+        failure = case.find("failure")
+        if failure is not None:
+            verdict = str(failure.get("message", "")).startswith("AssertionError")
+            found["differing" if verdict else "errors"].append(name)
+        elif case.find("error") is not None:
+            found["errors"].append(name)
+        elif case.find("skipped") is not None:
+            found["skipped"].append(name)
+        else:
+            found["equal"].append(name)
+    return OracleRun(version, *(tuple(found[key]) for key in OracleRun._fields[1:]))
+
+
+def _oracle_lines(oracles: Sequence[OracleRun], labels: Sequence[str]) -> list[str]:
+    by_label = {_label(run.transformers, labels): run for run in oracles}
+    lines = [
+        "",
+        "## Plan oracle",
+        "",
+        "`FP32KEEP_ALL_FAMILIES=1 pytest tests/test_families.py` under the same Transformers:",
+        "per family and dtype, `save_pretrained` of the tiny model, then",
+        "`from_pretrained(dtype=D)`; the persistent tensors it leaves FP32 must be exactly the",
+        "ones `resolve_keep_plan` keeps.",
+        "",
+    ]
+    for label in labels:
+        run = by_label.get(label)
+        lines.append(f"- {label}: " + (run.summary() if run else "not yet run"))
+    return lines
+
+
+def render(
+    reports: Sequence[dict[str, Any]],
+    labels: Sequence[str],
+    oracles: Sequence[OracleRun] = (),
+) -> str:
+    """The whole ``docs/families.md`` (the oracle section only when ``oracles`` are given)."""
     by_label: dict[str, dict[str, Any]] = {}
     for report in reports:
         by_label[_label(report["versions"]["transformers"], labels)] = report
@@ -137,6 +259,8 @@ def render(reports: Sequence[dict[str, Any]], labels: Sequence[str]) -> str:
             else:
                 row.append(cells[label].get((family, dtype), "-"))
         lines.append(f"| {family} | " + " | ".join(row) + " |")
+    if oracles:
+        lines += _oracle_lines(oracles, labels)
     return "\n".join(lines) + "\n"
 
 
@@ -148,10 +272,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--versions", default="4.56,5.10,latest", help="Transformers labels, the table's columns"
     )
+    parser.add_argument(
+        "--oracle",
+        action="append",
+        default=[],
+        type=Path,
+        help="JUnit XML of a plan-oracle run (repeatable); adds the 'Plan oracle' section",
+    )
     args = parser.parse_args(argv)
     labels = [label.strip() for label in args.versions.split(",") if label.strip()]
     reports = [json.loads(path.read_text()) for path in args.reports]
-    args.output.write_text(render(reports, labels))
+    oracles = [read_oracle(path) for path in args.oracle]
+    for run in oracles:  # the session log shows the counts, not only the page
+        print(f"plan oracle, {run.summary()}")
+    args.output.write_text(render(reports, labels, oracles))
     return 0
 
 

@@ -6,6 +6,8 @@ Two layouts, read from the config, not from a table:
   ``spatial_merge_size``; ``pixel_values`` are already cut into patches, one row per patch of
   ``in_channels x temporal_patch_size x patch_size^2`` values, and ``image_grid_thw`` says how
   the rows tile each image. Each image here is one frame of ``2 merge x 2 merge`` patches.
+  Or (Inkling2) one row per merged token, a block of pixels, the grid counted in tokens: the
+  model's own ``get_image_features`` says which (:func:`grid_images`).
 * **Whole images** (``(batch, channels, size, size)``): a model whose ``forward`` takes
   ``pixel_values`` and whose config (or vision config) has an ``image_size`` (Udop's patch
   embedding, SLANeXt's SAM-style encoder).
@@ -87,6 +89,51 @@ def grid_pixels(
     return {"pixel_values": pixels, "image_grid_thw": grid}
 
 
+def token_pixels(
+    model: nn.Module, config: Any, generator: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """One image per sample as rows of merged tokens, and its ``image_grid_thw`` in tokens.
+
+    The other patch-grid layout (Inkling2's tower): each row is one language-model image
+    token, a ``(patch x merge, patch x merge, channels)`` block of pixels, and the grid counts
+    tokens, not patches. Each image here is one frame of ``2 x 2`` tokens.
+    """
+    vision = config.vision_config
+    merge = int(vision.spatial_merge_size)
+    patch = int(vision.patch_size)
+    side = 2  # tokens per side
+    block = (patch * merge, patch * merge, _channels(vision))
+    pixels = torch.randn((BATCH_SIZE * side * side, *block), generator=generator)
+    grid = torch.tensor([[1, side, side]] * BATCH_SIZE, dtype=torch.long)
+    return {"pixel_values": pixels.to(_dtype(model)), "image_grid_thw": grid}
+
+
+#: The patch-grid layouts, in the order they are tried (:func:`grid_images`).
+GRID_LAYOUTS = (grid_pixels, token_pixels)
+
+
+def grid_images(
+    model: nn.Module, config: Any, generator: torch.Generator
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Patch-grid images in the first of :data:`GRID_LAYOUTS` that the model's own
+    ``get_image_features`` takes, and how many embeddings it makes of them.
+
+    Both layouts share the config fields (``spatial_merge_size``, ``patch_size``) and the
+    ``image_grid_thw`` argument; only the tower's code says which one it reshapes its pixels
+    as, so the tower is asked. When no layout runs, the first layout's error is raised (the
+    common layout's failure is the informative one).
+    """
+    first_error: Exception | None = None
+    for layout in GRID_LAYOUTS:
+        images = layout(model, config, generator)
+        try:
+            return images, image_embeddings(model, images)
+        except Exception as error:  # this layout does not fit the tower: try the next one
+            first_error = first_error or error
+    assert first_error is not None
+    raise first_error
+
+
 def whole_pixels(model: nn.Module, config: Any, generator: torch.Generator) -> torch.Tensor:
     """``(batch, channels, size, size)`` pixels in the model's dtype."""
     size = whole_image_size(config)
@@ -115,12 +162,19 @@ def image_embeddings(model: nn.Module, images: dict[str, torch.Tensor]) -> int:
 
 
 def placeholder_batch(
-    model: nn.Module, config: Any, images: dict[str, torch.Tensor], generator: torch.Generator
+    model: nn.Module,
+    config: Any,
+    images: dict[str, torch.Tensor],
+    generator: torch.Generator,
+    embeddings: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """``images`` with text that starts with one placeholder per image embedding."""
+    """``images`` with text that starts with one placeholder per image embedding
+    (``embeddings`` of them in all, counted by the model when not given)."""
     token = image_token(config)
     assert token is not None  # callers check is_patch_grid / image_token first
-    per_sample = image_embeddings(model, images) // BATCH_SIZE
+    if embeddings is None:
+        embeddings = image_embeddings(model, images)
+    per_sample = embeddings // BATCH_SIZE
     placeholders = torch.full((BATCH_SIZE, per_sample), token, dtype=torch.long)
     text = torch.randint(TEXT_LOW, TEXT_HIGH, (BATCH_SIZE, SEQ_LEN), generator=generator)
     batch = dict(images)
