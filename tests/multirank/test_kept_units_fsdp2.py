@@ -78,6 +78,14 @@ def grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def assert_same_grads(model: nn.Module, reference: nn.Module) -> None:
+    """Every gradient of the sharded ``model`` bit-identical to the unsharded ``reference``'s."""
+    got, want = grads(model), grads(reference)
+    assert set(got) == set(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
 def output_dtypes(module: nn.Module) -> list[torch.dtype]:
     seen: list[torch.dtype] = []
     module.register_forward_hook(lambda m, args, out: seen.append(out.dtype))
@@ -137,10 +145,7 @@ def test_kept_layout_matches_the_unsharded_model(
     assert isinstance(getattr(module, kept_param), DTensor)  # sharded, not replicated
     assert torch.equal(step(model), step(reference))
     assert seen == [FP32]
-    got, want = grads(model), grads(reference)
-    assert set(got) == set(want)
-    for name in want:
-        assert torch.equal(got[name], want[name]), name
+    assert_same_grads(model, reference)
 
 
 def test_negative_control_owner_sharded_with_the_callers_policy(mesh: DeviceMesh) -> None:
@@ -189,10 +194,7 @@ def test_trainable_module_read_without_a_call_goes_with_its_reader(mesh: DeviceM
     assert isinstance(attention.conv.weight, DTensor)  # sharded, not replicated
     assert torch.equal(step(model), step(reference))
     assert seen == [(False, FP32)]
-    got, want = grads(model), grads(reference)
-    assert set(got) == set(want)
-    for name in want:
-        assert torch.equal(got[name], want[name]), name
+    assert_same_grads(model, reference)
 
 
 def test_negative_control_reader_sharded_with_the_callers_policy(mesh: DeviceMesh) -> None:
@@ -372,10 +374,7 @@ def test_kept_unit_called_through_a_method_is_gathered_around_it(mesh: DeviceMes
     fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=EXACT_POLICY, plan=plan)
     assert isinstance(model.tokenizer.scale, DTensor)  # sharded at rest
     assert torch.equal(step(model), step(reference))
-    got, want = grads(model), grads(reference)
-    assert set(got) == set(want)
-    for name in want:
-        assert torch.equal(got[name], want[name]), name
+    assert_same_grads(model, reference)
 
 
 def test_negative_control_kept_unit_called_through_a_method_left_unhooked(
