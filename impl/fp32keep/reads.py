@@ -55,29 +55,42 @@ def _class_source(cls: type) -> str:
     return _SOURCES[cls]
 
 
-def find_direct_read(model: nn.Module, module_fqn: str) -> DirectRead | None:
-    """The ancestor that reads ``module_fqn``'s own tensors without calling it, if any.
-
-    Only modules reached through an identifier attribute are judged (a ``ModuleList`` entry is
-    called by its parent's loop, which the source cannot tie to a name).
-    """
+def _attribute_and_ancestors(
+    model: nn.Module, module_fqn: str
+) -> tuple[str, list[tuple[str, nn.Module, str]]] | None:
+    """The attribute name ``module_fqn`` is reached by, and its ancestors nearest first, each as
+    ``(fqn, module, source of its class)``; ``None`` for the root or a ``ModuleList`` entry (an
+    entry is called by its parent's loop, which the source cannot tie to a name)."""
     if not module_fqn:
         return None
     *parents, name = module_fqn.split(".")
     if not name.isidentifier():
         return None
+    ancestors = []
+    for cut in range(len(parents), -1, -1):
+        fqn = ".".join(parents[:cut])
+        ancestor = model.get_submodule(fqn)
+        ancestors.append((fqn, ancestor, _class_source(type(ancestor))))
+    return name, ancestors
+
+
+def find_direct_read(model: nn.Module, module_fqn: str) -> DirectRead | None:
+    """The ancestor that reads ``module_fqn``'s own tensors without calling it, if any.
+
+    Only modules reached through an identifier attribute are judged
+    (:func:`_attribute_and_ancestors`).
+    """
     module = model.get_submodule(module_fqn)
     tensors = [n for n, _ in module.named_parameters(recurse=False)]
     tensors += [n for n, _ in module.named_buffers(recurse=False)]
-    if not tensors:
+    reached = _attribute_and_ancestors(model, module_fqn) if tensors else None
+    if reached is None:
         return None
+    name, ancestors = reached
     read = re.compile(rf"\b{name}\s*\.\s*({'|'.join(map(re.escape, tensors))})\b{_METADATA}")
     call = re.compile(rf"\b{name}\s*(?:\.\s*forward\s*)?\(")
     found: DirectRead | None = None
-    for cut in range(len(parents), -1, -1):
-        ancestor_fqn = ".".join(parents[:cut])
-        ancestor = model.get_submodule(ancestor_fqn)
-        source = _class_source(type(ancestor))
+    for ancestor_fqn, ancestor, source in ancestors:
         if call.search(source):
             return None
         match = read.search(source)
@@ -113,23 +126,17 @@ def called_methods(model: nn.Module, module_fqn: str) -> tuple[str, ...]:
     """The methods other than ``forward`` that an ancestor's source calls on ``module_fqn``.
 
     FSDP2 all-gathers a unit around its ``forward`` only. Apertus 1.5 never calls its kept
-    tokenizers: it calls ``self.vision_tokenizer.encode(...)``, so as units of their own they
+    audio tokenizer: it calls ``self.audio_tokenizer.encode(...)``, so as a unit of its own it
     would run sharded (``mixed torch.Tensor and DTensor``). Such a method must be registered with
     ``torch.distributed.fsdp.register_fsdp_forward_method`` on the unit. Found like
     :func:`find_direct_read`: ``NAME.METHOD(`` in the source of an ancestor's class, for a
     ``METHOD`` the module's own model classes define (:func:`_model_methods`). Sorted.
     """
-    if not module_fqn:
-        return ()
-    *parents, name = module_fqn.split(".")
-    if not name.isidentifier():
-        return ()
     own = _model_methods(model.get_submodule(module_fqn))
-    if not own:
+    reached = _attribute_and_ancestors(model, module_fqn) if own else None
+    if reached is None:
         return ()
+    name, ancestors = reached
     call = re.compile(rf"\b{name}\s*\.\s*({'|'.join(map(re.escape, sorted(own)))})\s*\(")
-    found: set[str] = set()
-    for cut in range(len(parents), -1, -1):
-        source = _class_source(type(model.get_submodule(".".join(parents[:cut]))))
-        found.update(match.group(1) for match in call.finditer(source))
+    found = {match.group(1) for _, _, source in ancestors for match in call.finditer(source)}
     return tuple(sorted(found))

@@ -64,7 +64,7 @@ def _param_fqns(model: nn.Module) -> dict[int, list[str]]:
     names: dict[int, list[str]] = {}
     for fqn, module in model.named_modules(remove_duplicate=False):
         for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
-            names.setdefault(id(param), []).append(f"{fqn}.{name}" if fqn else name)
+            names.setdefault(id(param), []).append(_joined(fqn, name))
     return names
 
 
@@ -180,9 +180,13 @@ def _shard_like(
             f"{differs[:3]} manage other parameters when sharded inner units first)"
         )
     for slot, target in tie_back.items():
-        owner, _, name = slot.rpartition(".")
-        home, _, home_name = target.rpartition(".")
-        setattr(model.get_submodule(owner), name, getattr(model.get_submodule(home), home_name))
+        setattr(*_attribute(model, slot), getattr(*_attribute(model, target)))
+
+
+def _attribute(model: nn.Module, slot: str) -> tuple[nn.Module, str]:
+    """The module and attribute name of ``slot`` (``module.name``, see :attr:`Unit.slots`)."""
+    owner, _, name = slot.rpartition(".")
+    return model.get_submodule(owner), name
 
 
 def _untie_across_units(model: nn.Module, units: tuple[Unit, ...]) -> dict[str, str]:
@@ -203,8 +207,7 @@ def _untie_across_units(model: nn.Module, units: tuple[Unit, ...]) -> dict[str, 
     for index, unit in enumerate(units):
         copies: dict[int, nn.Parameter] = {}
         for slot in sorted(unit.slots):
-            owner, _, name = slot.rpartition(".")
-            module = model.get_submodule(owner)
+            module, name = _attribute(model, slot)
             param = module._parameters.get(name)
             if param is None:
                 continue

@@ -86,6 +86,19 @@ def assert_same_grads(model: nn.Module, reference: nn.Module) -> None:
         assert torch.equal(got[name], want[name]), name
 
 
+def shard_attention_owners_with_the_callers_policy(model: nn.Module, mesh: DeviceMesh) -> None:
+    """The units fp32keep gives a stack whose attentions own kept tensors beside their
+    projections (projections first, then each attention as an owner), every one with the
+    caller's policy instead of the kept-unit policy: the known-wrong layout of the negative
+    controls."""
+    for layer in model.layers:
+        fully_shard(layer.self_attn.q_proj, mesh=mesh, mp_policy=EXACT_POLICY)
+        fully_shard(layer.self_attn.o_proj, mesh=mesh, mp_policy=EXACT_POLICY)
+        fully_shard(layer.self_attn, mesh=mesh, mp_policy=EXACT_POLICY)
+        fully_shard(layer, mesh=mesh, mp_policy=EXACT_POLICY)
+    fully_shard(model, mesh=mesh, mp_policy=EXACT_POLICY)
+
+
 def output_dtypes(module: nn.Module) -> list[torch.dtype]:
     seen: list[torch.dtype] = []
     module.register_forward_hook(lambda m, args, out: seen.append(out.dtype))
@@ -152,12 +165,7 @@ def test_negative_control_owner_sharded_with_the_callers_policy(mesh: DeviceMesh
     model, _, _ = built(SinkStack)
     seen: list[torch.dtype] = []
     model.layers[0].self_attn.register_forward_pre_hook(lambda m, a: seen.append(m.sinks.dtype))
-    for layer in model.layers:
-        fully_shard(layer.self_attn.q_proj, mesh=mesh, mp_policy=EXACT_POLICY)
-        fully_shard(layer.self_attn.o_proj, mesh=mesh, mp_policy=EXACT_POLICY)
-        fully_shard(layer.self_attn, mesh=mesh, mp_policy=EXACT_POLICY)
-        fully_shard(layer, mesh=mesh, mp_policy=EXACT_POLICY)
-    fully_shard(model, mesh=mesh, mp_policy=EXACT_POLICY)
+    shard_attention_owners_with_the_callers_policy(model, mesh)
     step(model)
     assert seen == [BF16]  # the same units with the caller's policy gather the sinks in bf16
 
@@ -204,12 +212,7 @@ def test_negative_control_reader_sharded_with_the_callers_policy(mesh: DeviceMes
     model.layers[0].self_attn.register_forward_pre_hook(
         lambda m, a: seen.append(m.conv.weight.dtype)
     )
-    for layer in model.layers:
-        fully_shard(layer.self_attn.q_proj, mesh=mesh, mp_policy=EXACT_POLICY)
-        fully_shard(layer.self_attn.o_proj, mesh=mesh, mp_policy=EXACT_POLICY)
-        fully_shard(layer.self_attn, mesh=mesh, mp_policy=EXACT_POLICY)
-        fully_shard(layer, mesh=mesh, mp_policy=EXACT_POLICY)
-    fully_shard(model, mesh=mesh, mp_policy=EXACT_POLICY)
+    shard_attention_owners_with_the_callers_policy(model, mesh)
     step(model)
     assert seen == [BF16]
 
