@@ -45,8 +45,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from pytest_fp32keep.check.families.readings import (
+    embedding_count,
+    forward_parameters,
+    method_of,
+    model_input_dtype,
+    text_ids,
+)
 from pytest_fp32keep.check.families.shrink import TEXT_HIGH, TEXT_LOW
-from pytest_fp32keep.check.zoo.batches import BATCH_SIZE, SEQ_LEN
+from pytest_fp32keep.check.zoo.batches import BATCH_SIZE
 
 #: Frames of a clip for a speech encoder (:func:`speech_batch`).
 SPEECH_FRAMES = 32
@@ -56,14 +63,6 @@ _CTC_LABELS = 4
 _LATENT_FRAMES, _PROMPT_FRAMES = 4, 2
 #: The config fields a latent text-to-speech batch needs (:func:`is_latent_tts`).
 _LATENT_TOKENS = ("audio_bos_token_id", "audio_latent_token_id")
-
-
-def _dtype(model: nn.Module) -> torch.dtype:
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-
-
-def _accepted(model: nn.Module) -> frozenset[str]:
-    return frozenset(inspect.signature(model.forward).parameters)
 
 
 def _int(value: Any) -> bool:
@@ -78,7 +77,7 @@ def mel_layouts(features: torch.Tensor) -> Iterator[torch.Tensor]:
 
 def is_speech_encoder(model: nn.Module) -> bool:
     """Whether ``model`` takes mel features and no text (a CTC or frame-classification head)."""
-    accepted = _accepted(model)
+    accepted = forward_parameters(model)
     return "input_features" in accepted and "input_ids" not in accepted
 
 
@@ -101,9 +100,9 @@ def speech_batch(model: nn.Module, config: Any, generator: torch.Generator) -> d
     and CTC labels when the forward takes labels."""
     width, time_major = feature_layout(model)
     shape = (BATCH_SIZE, SPEECH_FRAMES, width) if time_major else (BATCH_SIZE, width, SPEECH_FRAMES)
-    features = torch.randn(shape, generator=generator).to(_dtype(model))
+    features = torch.randn(shape, generator=generator).to(model_input_dtype(model))
     batch: dict[str, Any] = {"input_features": features}
-    accepted = _accepted(model)
+    accepted = forward_parameters(model)
     if "attention_mask" in accepted:  # the CTC loss reads the encoder's lengths from it
         batch["attention_mask"] = torch.ones((BATCH_SIZE, SPEECH_FRAMES), dtype=torch.long)
     if "labels" in accepted:
@@ -119,7 +118,7 @@ def is_latent_tts(model: nn.Module, config: Any) -> bool:
     return (
         _int(getattr(config, "latent_dim", None))
         and all(_int(getattr(config, key, None)) for key in _LATENT_TOKENS)
-        and "audio_latents" in _accepted(model)
+        and "audio_latents" in forward_parameters(model)
     )
 
 
@@ -131,16 +130,16 @@ def latent_batch(model: nn.Module, config: Any, generator: torch.Generator) -> d
     ``audio_latent_token_id`` positions, filled by ``audio_latents`` (no ``labels``: see the
     module docstring).
     """
-    dtype, latent = _dtype(model), int(config.latent_dim)
+    dtype, latent = model_input_dtype(model), int(config.latent_dim)
 
     def ids(token: str, count: int) -> torch.Tensor:
         return torch.full((BATCH_SIZE, count), int(getattr(config, token)), dtype=torch.long)
 
-    text = torch.randint(TEXT_LOW, TEXT_HIGH, (BATCH_SIZE, SEQ_LEN), generator=generator)
+    text = text_ids(generator)
     rows = [text, ids("audio_bos_token_id", 1), ids("audio_latent_token_id", _LATENT_FRAMES)]
     batch: dict[str, Any] = {}
     prompt_token = getattr(config, "audio_prompt_token_id", None)
-    if _int(prompt_token) and "audio_prompt_latents" in _accepted(model):
+    if _int(prompt_token) and "audio_prompt_latents" in forward_parameters(model):
         rows.insert(0, ids("audio_prompt_token_id", _PROMPT_FRAMES))
         prompt = torch.randn((BATCH_SIZE, _PROMPT_FRAMES, latent), generator=generator)
         batch["audio_prompt_latents"] = prompt.to(dtype)
@@ -150,25 +149,14 @@ def latent_batch(model: nn.Module, config: Any, generator: torch.Generator) -> d
     return batch
 
 
-def _base(model: nn.Module) -> Any:
-    return getattr(model, "model", model)
-
-
 def _method_parameters(model: nn.Module, name: str) -> tuple[str, ...]:
-    method = getattr(model, name, None) or getattr(_base(model), name, None)
+    method = method_of(model, name)
     return tuple(inspect.signature(method).parameters) if method is not None else ()
 
 
 def is_tokenized_audio(model: nn.Module) -> bool:
     """Whether the model's audio method tokenizes a waveform (``input_values, padding_mask``)."""
     return _method_parameters(model, "get_audio_features")[:2] == ("input_values", "padding_mask")
-
-
-def _embeddings(out: Any) -> int:
-    """Embeddings a features method made: a tensor, or one tensor per clip or image."""
-    pooled = out.pooler_output
-    tensors = pooled if isinstance(pooled, tuple | list) else (pooled,)
-    return sum(int(t.reshape(-1, t.shape[-1]).shape[0]) for t in tensors)
 
 
 def tokenized_batch(
@@ -178,7 +166,7 @@ def tokenized_batch(
 
     ``twin`` is ``model`` in FP32 (or ``model`` itself), on which the placeholders are counted.
     """
-    dtype, base = _dtype(model), _base(twin)
+    dtype = model_input_dtype(model)
     samples = 2 * int(config.audio_config.hop_length)
     batch: dict[str, Any] = {
         "input_values": torch.randn((BATCH_SIZE, samples), generator=generator),
@@ -186,8 +174,9 @@ def tokenized_batch(
     }
     counts: dict[str, int] = {}
     with torch.no_grad():
-        counts["audio_token_id"] = _embeddings(
-            base.get_audio_features(batch["input_values"], batch["padding_mask"])
+        get_audio = method_of(twin, "get_audio_features")
+        counts["audio_token_id"] = embedding_count(
+            get_audio(batch["input_values"], batch["padding_mask"])
         )
     vision = getattr(config, "vision_config", None)
     side = getattr(vision, "spatial_scale_factor", None)
@@ -200,8 +189,9 @@ def tokenized_batch(
         batch["pixel_values"] = torch.randn((BATCH_SIZE, channels, side, side), generator=generator)
         batch["image_sizes"] = torch.tensor([[side, side]] * BATCH_SIZE)
         with torch.no_grad():
-            counts["image_token_id"] = _embeddings(
-                base.get_image_features(batch["pixel_values"], batch["image_sizes"])
+            get_image = method_of(twin, "get_image_features")
+            counts["image_token_id"] = embedding_count(
+                get_image(batch["pixel_values"], batch["image_sizes"])
             )
     placeholders = torch.cat(
         [
@@ -210,7 +200,7 @@ def tokenized_batch(
         ],
         dim=1,
     )
-    text = torch.randint(TEXT_LOW, TEXT_HIGH, (BATCH_SIZE, SEQ_LEN), generator=generator)
+    text = text_ids(generator)
     batch["input_ids"] = torch.cat([placeholders, text], dim=1)
     batch["labels"] = torch.cat([torch.full_like(placeholders, -100), text], dim=1)
     for key in ("input_values", "pixel_values"):  # what a processor gives, in the model's dtype

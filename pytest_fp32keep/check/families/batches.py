@@ -33,7 +33,13 @@ import torch
 from torch import nn
 
 from pytest_fp32keep.check.families import audio, vision
-from pytest_fp32keep.check.families.shrink import TEXT_HIGH, TEXT_LOW
+from pytest_fp32keep.check.families.readings import (
+    embedding_count,
+    forward_parameters,
+    method_of,
+    model_input_dtype,
+    text_ids,
+)
 from pytest_fp32keep.check.zoo.batches import (
     BATCH_SIZE,
     SEQ_LEN,
@@ -70,20 +76,6 @@ def _generator(seed: int | torch.Generator) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(int(seed))
 
 
-def _text(generator: torch.Generator) -> torch.Tensor:
-    return torch.randint(TEXT_LOW, TEXT_HIGH, (BATCH_SIZE, SEQ_LEN), generator=generator)
-
-
-def _forward_parameters(model: nn.Module) -> frozenset[str]:
-    return frozenset(inspect.signature(model.forward).parameters)
-
-
-def model_input_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype a real caller gives ``model``'s floating features in: ``model.dtype``, the
-    dtype of its first floating parameter (FP32 for a model without one)."""
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-
-
 def _features_in_model_dtype(model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
     dtype = model_input_dtype(model)
     return {
@@ -115,7 +107,7 @@ def family_batch(model: nn.Module, seed: int | torch.Generator) -> dict[str, tor
     if kind == "vision-grid":
         images, embeddings = vision.grid_images(model, config, generator)
         return vision.placeholder_batch(model, config, images, generator, embeddings)
-    accepted = _forward_parameters(model)
+    accepted = forward_parameters(model)
     # A whole-image tower without placeholder tokens (Udop's patches beside the text):
     # pixels too, so the tower runs and gets gradients.
     pixels = (
@@ -127,7 +119,7 @@ def family_batch(model: nn.Module, seed: int | torch.Generator) -> dict[str, tor
     )
     if pixels is not None and "input_ids" not in accepted:
         return {"pixel_values": pixels}  # an image-only model (SLANeXt's table recogniser)
-    input_ids = _text(generator)
+    input_ids = text_ids(generator)
     batch = {"input_ids": _with_audio_codes(config, input_ids, generator)}
     if pixels is not None:
         batch["pixel_values"] = pixels
@@ -140,7 +132,7 @@ def family_batch(model: nn.Module, seed: int | torch.Generator) -> dict[str, tor
         classes = int(getattr(config, "num_labels", 2))
         batch["labels"] = torch.randint(0, classes, (BATCH_SIZE, SEQ_LEN), generator=generator)
     elif kind == "seq2seq":
-        labels = _text(generator)
+        labels = text_ids(generator)
         start = int(getattr(config, "decoder_start_token_id", None) or 0)
         first = torch.full((BATCH_SIZE, 1), start, dtype=torch.long)
         batch["decoder_input_ids"] = torch.cat([first, labels[:, :-1]], dim=1)
@@ -177,13 +169,13 @@ def _audio_batch(model: nn.Module, config: Any, generator: torch.Generator) -> d
     features = torch.randn((BATCH_SIZE, mels, frames), generator=generator)
     features = features.to(model_input_dtype(model))  # before the model's own features method
     batch: dict[str, Any] = {"input_features": features}
-    accepted = _forward_parameters(model)
+    accepted = forward_parameters(model)
     if "input_features_mask" in accepted:
         batch["input_features_mask"] = torch.ones((BATCH_SIZE, frames), dtype=torch.long)
     per_sample = _count_in_a_layout(model, batch) // BATCH_SIZE
     token = int(config.audio_token_id)
     placeholders = torch.full((BATCH_SIZE, per_sample), token, dtype=torch.long)
-    text = _text(generator)
+    text = text_ids(generator)
     batch["input_ids"] = torch.cat([placeholders, text], dim=1)
     batch["labels"] = torch.cat([torch.full_like(placeholders, -100), text], dim=1)
     return batch
@@ -245,10 +237,7 @@ def _audio_embeddings(model: nn.Module, batch: dict[str, Any]) -> int:
         arguments.pop("input_features_mask", None)
     with torch.no_grad():
         out = get(**arguments)
-    tensor = getattr(out, "pooler_output", None)
-    if tensor is None:
-        tensor = out if isinstance(out, torch.Tensor) else out[0]
-    return int(tensor.reshape(-1, tensor.shape[-1]).shape[0])
+    return embedding_count(out)
 
 
 def _tower_lengths(model: nn.Module, batch: dict[str, Any]) -> int:
@@ -268,15 +257,9 @@ def _tower_lengths(model: nn.Module, batch: dict[str, Any]) -> int:
 _RAW_AUDIO_INPUTS = ("input_values", "audio_input_ids")
 
 
-def _audio_features_method(model: nn.Module) -> Any:
-    """The model's ``get_audio_features`` (on the model or its base model), or ``None``."""
-    base: Any = getattr(model, "model", model)
-    return getattr(model, "get_audio_features", None) or getattr(base, "get_audio_features", None)
-
-
 def _raw_audio_input(model: nn.Module) -> str | None:
     """Which of :data:`_RAW_AUDIO_INPUTS` the model's audio method takes first, if any."""
-    get = _audio_features_method(model)
+    get = method_of(model, "get_audio_features")
     if get is None:
         return None
     first = next(iter(inspect.signature(get).parameters), None)
@@ -303,11 +286,10 @@ def _raw_audio_batch(
     ``get_audio_features`` makes embeddings of it, then text; labels ignore the placeholders."""
     clip = _raw_audio(model, config, name, generator)
     with torch.no_grad():
-        out = _audio_features_method(model)(clip)
-    tensor = out.pooler_output if out.pooler_output is not None else out.last_hidden_state
-    per_sample = int(tensor.reshape(-1, tensor.shape[-1]).shape[0]) // BATCH_SIZE
+        out = method_of(model, "get_audio_features")(clip)
+    per_sample = embedding_count(out) // BATCH_SIZE
     placeholders = torch.full((BATCH_SIZE, per_sample), int(config.audio_token_id))
-    text = _text(generator)
+    text = text_ids(generator)
     return {
         name: clip,
         "input_ids": torch.cat([placeholders, text], dim=1),
@@ -322,13 +304,13 @@ def _video_batch(model: nn.Module, config: Any, generator: torch.Generator) -> d
     pixels = torch.randn((BATCH_SIZE, _VIDEO_FRAMES, channels, size, size), generator=generator)
     count = int(config.num_query_tokens) * _VIDEO_FRAMES
     video = torch.full((BATCH_SIZE, count), int(config.video_token_index), dtype=torch.long)
-    text = _text(generator)
+    text = text_ids(generator)
     batch: dict[str, Any] = {"pixel_values": pixels, "input_ids": torch.cat([video, text], dim=1)}
     if getattr(config, "use_decoder_only_language_model", True):
         batch["labels"] = torch.cat([torch.full_like(video, -100), text], dim=1)
     else:
-        batch["labels"] = _text(generator)
+        batch["labels"] = text_ids(generator)
     if getattr(config, "qformer_config", None) is not None:
-        batch["qformer_input_ids"] = _text(generator)
+        batch["qformer_input_ids"] = text_ids(generator)
         batch["qformer_attention_mask"] = torch.ones_like(batch["qformer_input_ids"])
     return batch

@@ -26,8 +26,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from pytest_fp32keep.check.families.shrink import TEXT_HIGH, TEXT_LOW
-from pytest_fp32keep.check.zoo.batches import BATCH_SIZE, SEQ_LEN
+from pytest_fp32keep.check.families.readings import (
+    embedding_count,
+    forward_parameters,
+    method_of,
+    model_input_dtype,
+    text_ids,
+)
+from pytest_fp32keep.check.zoo.batches import BATCH_SIZE
 
 #: Keys of an image placeholder token id, in the order they are looked for.
 _IMAGE_TOKEN_KEYS = ("image_token_id", "image_token_index")
@@ -69,10 +75,6 @@ def _channels(vision: Any) -> int:
     return int(channels)
 
 
-def _dtype(model: nn.Module) -> torch.dtype:
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-
-
 def grid_pixels(
     model: nn.Module, config: Any, generator: torch.Generator
 ) -> dict[str, torch.Tensor]:
@@ -84,7 +86,7 @@ def grid_pixels(
     side = 2 * merge  # patches per side: a whole number of merged tokens
     rows = BATCH_SIZE * side * side
     width = _channels(vision) * temporal * patch * patch
-    pixels = torch.randn((rows, width), generator=generator).to(_dtype(model))
+    pixels = torch.randn((rows, width), generator=generator).to(model_input_dtype(model))
     grid = torch.tensor([[1, side, side]] * BATCH_SIZE, dtype=torch.long)
     return {"pixel_values": pixels, "image_grid_thw": grid}
 
@@ -105,7 +107,7 @@ def token_pixels(
     block = (patch * merge, patch * merge, _channels(vision))
     pixels = torch.randn((BATCH_SIZE * side * side, *block), generator=generator)
     grid = torch.tensor([[1, side, side]] * BATCH_SIZE, dtype=torch.long)
-    return {"pixel_values": pixels.to(_dtype(model)), "image_grid_thw": grid}
+    return {"pixel_values": pixels.to(model_input_dtype(model)), "image_grid_thw": grid}
 
 
 #: The patch-grid layouts, in the order they are tried (:func:`grid_images`).
@@ -140,25 +142,18 @@ def whole_pixels(model: nn.Module, config: Any, generator: torch.Generator) -> t
     assert size is not None  # callers check whole_image_size first
     vision = getattr(config, "vision_config", None) or config
     shape = (BATCH_SIZE, _channels(vision), size, size)
-    return torch.randn(shape, generator=generator).to(_dtype(model))
+    return torch.randn(shape, generator=generator).to(model_input_dtype(model))
 
 
 def image_embeddings(model: nn.Module, images: dict[str, torch.Tensor]) -> int:
     """How many placeholder embeddings the model's own ``get_image_features`` makes of
     ``images``."""
-    get: Any = getattr(model, "get_image_features", None)
-    if get is None:
-        get = model.model.get_image_features  # type: ignore[union-attr]  # 4.x: on the base
+    get = method_of(model, "get_image_features")
     accepted = frozenset(inspect.signature(get).parameters)
     arguments = {key: value for key, value in images.items() if key in accepted}
     with torch.no_grad():
         out = get(**arguments)
-    tensor = getattr(out, "pooler_output", None)
-    if tensor is None:
-        tensor = out if isinstance(out, torch.Tensor) else out[0]
-    if isinstance(tensor, list | tuple):  # one tensor per image
-        return sum(int(t.reshape(-1, t.shape[-1]).shape[0]) for t in tensor)
-    return int(tensor.reshape(-1, tensor.shape[-1]).shape[0])
+    return embedding_count(out)
 
 
 def placeholder_batch(
@@ -176,11 +171,11 @@ def placeholder_batch(
         embeddings = image_embeddings(model, images)
     per_sample = embeddings // BATCH_SIZE
     placeholders = torch.full((BATCH_SIZE, per_sample), token, dtype=torch.long)
-    text = torch.randint(TEXT_LOW, TEXT_HIGH, (BATCH_SIZE, SEQ_LEN), generator=generator)
+    text = text_ids(generator)
     batch = dict(images)
     batch["input_ids"] = torch.cat([placeholders, text], dim=1)
     batch["labels"] = torch.cat([torch.full_like(placeholders, -100), text], dim=1)
-    accepted = frozenset(inspect.signature(model.forward).parameters)
+    accepted = forward_parameters(model)
     # The token types a processor returns beside the ids (text 0, image 1): M-RoPE needs them
     # once pixels come (Glm4vMoe raises without them); Ernie4_5_VLMoe routes its experts by them.
     types = (batch["input_ids"] == token).to(torch.int32)
