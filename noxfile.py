@@ -348,7 +348,7 @@ def families(session: nox.Session) -> None:
 
     One venv, one Transformers after the other. The check's JSON report goes to
     ``build/families/LABEL.json``, the oracle's JUnit XML (``tests/test_families.py`` with
-    ``FP32KEEP_ALL_FAMILIES=1``, same Transformers) to ``build/families/oracle-LABEL.xml``. A family
+    ``--slow``, same Transformers) to ``build/families/oracle-LABEL.xml``. A family
     that fails or is refused is a table row; a failing oracle fails the session once the table is
     written. ``nox -s families -- 5.10`` runs only the labels given (the others: ``not yet run``).
     """
@@ -382,9 +382,9 @@ def families(session: nox.Session) -> None:
         try:
             session.run(
                 *("pytest", "tests/test_families.py", "-p", "no:cacheprovider"),
+                "--slow",  # the plan oracle over every family
                 *(f"--junitxml={junit}", "-o", f"junit_suite_name=families-oracle-{label}"),
                 "--timeout=600",  # pytest-timeout, per test: a hung load fails, not the job
-                env={"FP32KEEP_ALL_FAMILIES": "1"},  # the plan oracle over every family
             )
         except CommandFailed as failure:
             failed.append(f"{label} (pytest exit status {failure.return_code})")
@@ -411,18 +411,18 @@ FRAMEWORKS = read_toml(ROOT / "ci" / "matrix.toml")["frameworks"]
 def world_sizes(session: nox.Session) -> None:
     """Gradient parity at 1, 2, 3, 4 and 8 gloo ranks (docs/contract.md): the opt-in sweep.
 
-    tests/contract/test_parity_world_sizes.py with ``FP32KEEP_PARITY_SWEEP=1``, which selects its
-    ``parity_sweep`` cases (two zoo models, fp32keep and two known-wrong implementations, at every
-    world size); the default suite runs only the 3-rank slice. Arguments after ``--`` go to pytest.
+    tests/contract/test_parity_world_sizes.py with ``--slow``, which adds its slow-tier sweep (two
+    zoo models, fp32keep and two known-wrong implementations, at every world size) to the 3-rank
+    slice the default suite runs. Arguments after ``--`` go to pytest.
     """
     install_stack(session, MATRIX.torch, MATRIX.default_transformers)
     session.run(
         "pytest",
         "tests/contract/test_parity_world_sizes.py",
+        "--slow",
         "-p",
         "no:cacheprovider",
         *session.posargs,
-        env={"FP32KEEP_PARITY_SWEEP": "1"},
     )
 
 
@@ -432,7 +432,7 @@ def frameworks(session: nox.Session) -> None:
     docs/frameworks.md.
 
     Installs the [frameworks] versions of ci/matrix.toml, runs tests/frameworks (collected only
-    with ``FP32KEEP_FRAMEWORKS=1``), and renders the cases' records into docs/frameworks.json and
+    with ``--slow`` where those versions are installed), and renders the cases' records into docs/frameworks.json and
     docs/frameworks.md, also when a case's rows changed (then the session fails, naming the test).
     Arguments after ``--`` go to pytest.
     """
@@ -442,11 +442,13 @@ def frameworks(session: nox.Session) -> None:
         pip_install(session, accelerate)
     results = ROOT / "build" / "frameworks"
     shutil.rmtree(results, ignore_errors=True)
-    env = {"FP32KEEP_FRAMEWORKS": "1", "FP32KEEP_FRAMEWORKS_RESULTS": str(results)}
+    env = {"FP32KEEP_FRAMEWORKS_RESULTS": str(results)}
     failed = None
     try:
         session.run(
-            "pytest", "tests/frameworks", "-p", "no:cacheprovider", *session.posargs, env=env
+            *("pytest", "tests/frameworks", "--slow", "-p", "no:cacheprovider"),
+            *session.posargs,
+            env=env,
         )
     except CommandFailed as failure:
         failed = failure

@@ -2,17 +2,15 @@
 
 Cheap (no torch, no rank): the committed page equals ``ci/frameworks_report.py``'s rendering of
 the committed ``docs/frameworks.json``; the renderer shows crashes, passing cases and failing rows,
-and refuses malformed records naming the file; and the default collection leaves
-``tests/frameworks`` out while ``FP32KEEP_FRAMEWORKS=1`` collects it (and fails, not skips, where
-a framework is missing).
+and refuses malformed records naming the file; and ``tests/frameworks`` is collected only with
+``--slow`` where the pinned framework versions are installed (elsewhere the run says so; collected,
+a missing framework fails, never skips).
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +19,7 @@ from typing import Any
 import pytest
 
 from ci import frameworks_report
+from tests.frameworks import conftest as frameworks_conftest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,46 +93,52 @@ def test_malformed_records_are_refused_naming_the_file(tmp_path: Path) -> None:
         frameworks_report.read_records(tmp_path)
 
 
-def test_default_collection_leaves_the_framework_tests_out() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "FP32KEEP_FRAMEWORKS"}
-    default = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "--co",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "tests/frameworks",
-        ],
+def _collect_frameworks(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:cacheprovider", *args],
         cwd=ROOT,
-        env=env,
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
+
+
+@pytest.mark.skipif(
+    not frameworks_conftest.missing_versions(), reason="the pinned framework versions are here"
+)
+def test_without_the_pinned_versions_the_slow_tier_leaves_them_out_and_says_so() -> None:
+    """The README's environment (Transformers 5.10): neither ``pytest`` nor ``pytest --slow``
+    collects tests/frameworks; ``--slow`` says which versions it lacks and where they run."""
+    default = _collect_frameworks("tests/frameworks")
     assert default.returncode == 5, default.stdout + default.stderr  # pytest: no tests collected
+    assert "tests/frameworks not collected" not in default.stdout  # no --slow: nothing to say
+    slow = _collect_frameworks("--slow", "tests/frameworks")
+    assert slow.returncode == 5, slow.stdout + slow.stderr
+    lacking = frameworks_conftest.missing_versions()
+    assert f"tests/frameworks not collected: it needs {lacking}" in slow.stdout
+    assert "nox -s frameworks" in slow.stdout
 
 
-@pytest.mark.parametrize(("value", "ignored"), [(None, ["test_*.py"]), ("1", [])])
-def test_only_the_session_variable_collects_them(
-    monkeypatch: pytest.MonkeyPatch, value: str | None, ignored: list[str]
-) -> None:
-    """The conftest ignores the folder's tests unless ``FP32KEEP_FRAMEWORKS=1`` (nox sets it);
-    collected, a missing framework is an import error, never a skip (no ``importorskip``)."""
-    if value is None:
-        monkeypatch.delenv("FP32KEEP_FRAMEWORKS", raising=False)
-    else:
-        monkeypatch.setenv("FP32KEEP_FRAMEWORKS", value)
-    path = ROOT / "tests" / "frameworks" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("frameworks_conftest_probe", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.collect_ignore_glob == ignored
-    sources = "".join(p.read_text(encoding="utf-8") for p in path.parent.glob("*.py"))
+def test_only_the_pinned_versions_collect_them() -> None:
+    """Which installed versions satisfy ``[frameworks]`` (a line pin or an exact one); every lack
+    is named with what is installed. Collected, nothing skips (no ``importorskip``)."""
+    pins = {"transformers": "5.24", "accelerate": "1.15.0"}
+    missing = frameworks_conftest.missing
+    assert missing(pins, {"transformers": "5.24.0", "accelerate": "1.15.0"}) == ""
+    assert missing(pins, {"transformers": "5.24.3", "accelerate": "1.15.0"}) == ""
+    assert missing(pins, {"transformers": "5.10.4", "accelerate": "1.15.0"}) == (
+        "transformers 5.24 (5.10.4)"
+    )
+    assert missing(pins, {"transformers": "5.24.0", "accelerate": "1.16.0"}) == (
+        "accelerate 1.15.0 (1.16.0)"
+    )
+    assert missing(pins, {"transformers": "5.25.0", "accelerate": None}) == (
+        "accelerate 1.15.0 (not installed), transformers 5.24 (5.25.0)"
+    )
+    sources = "".join(
+        p.read_text(encoding="utf-8") for p in (ROOT / "tests" / "frameworks").glob("*.py")
+    )
     assert "importorskip" not in sources and "pytest.skip" not in sources
 
 

@@ -12,8 +12,7 @@ every one of them, naming a kept gradient:
 * kept units reducing their FP32 gradients in bf16 instead of the caller's FP32.
 
 The default suite runs the 3-rank slice (an odd world size, the known false failure); the full
-sweep is marked ``parity_sweep`` and runs with ``FP32KEEP_PARITY_SWEEP=1``
-(tests/contract/conftest.py).
+sweep is in the slow tier (``pytest --slow``, tests/conftest.py; ``nox -s world-sizes``).
 """
 
 from __future__ import annotations
@@ -167,7 +166,7 @@ def test_parity_at_an_odd_world_size(
 @pytest.mark.parametrize(
     ("world", "name", "dtype", "implementation"),
     [
-        _case(world, name, dtype, implementation, pytest.mark.parity_sweep)
+        _case(world, name, dtype, implementation, pytest.mark.slow)
         for world in WORLD_SIZES
         for name, dtype in MODELS
         for implementation in IMPLEMENTATIONS

@@ -29,6 +29,8 @@ from examples.frameworks.transformers_fsdp2 import (
 )
 from pytest_fp32keep.check.zoo import ZOO
 
+pytestmark = pytest.mark.slow  # breadth at pinned versions (conftest.py)
+
 
 def layout(model: nn.Module) -> dict[str, Any]:
     """Every FSDP unit with its all-gather dtype, every parameter with its kind and local dtype."""

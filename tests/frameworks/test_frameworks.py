@@ -28,6 +28,8 @@ from pytest_fp32keep import ContractReport, assert_fp32_keep_contract
 from pytest_fp32keep.check.zoo import ZOO
 from tests.frameworks.observe import observe, record
 
+pytestmark = pytest.mark.slow  # breadth at pinned versions (conftest.py)
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MODELS = {"t5": "fp16", "ernie4_5_moe": "bf16", "deepseek_v3": "bf16", "gpt_oss": "fp16"}
 """Zoo model -> the dtype it keeps something under (regular lists: fp16 only); T5 ties three

@@ -12,7 +12,7 @@ checks, or the error's last line); ``-`` where that version has no such family. 
 ``--versions`` without a report is ``not yet run``: nothing is invented.
 
 Each ``--oracle`` is the JUnit XML of one run of the plan oracle (``tests/test_families.py``
-with ``FP32KEEP_ALL_FAMILIES=1``) under one Transformers version, which the run records as the
+with ``--slow``) under one Transformers version, which the run records as the
 test-suite property ``transformers``; the page's "Plan oracle" section says per version how many
 family x dtype cases were compared with ``from_pretrained``, how many were equal, which differed,
 which could not be compared (the round trip raised), and how many were skipped (not buildable).
@@ -189,7 +189,7 @@ def _oracle_lines(oracles: Sequence[OracleRun], labels: Sequence[str]) -> list[s
         "",
         "## Plan oracle",
         "",
-        "`FP32KEEP_ALL_FAMILIES=1 pytest tests/test_families.py` under the same Transformers:",
+        "`pytest --slow tests/test_families.py` under the same Transformers:",
         "per family and dtype, `save_pretrained` of the tiny model, then",
         "`from_pretrained(dtype=D)`; the persistent tensors it leaves FP32 must be exactly the",
         "ones `resolve_keep_plan` keeps.",
