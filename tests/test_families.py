@@ -112,6 +112,17 @@ def test_family_plan_matches_from_pretrained(
     assert_plan_matches(plan, oracle, family)
 
 
+def test_a_family_that_stops_building_fails_its_oracle_case(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Negative control of the unguarded build: a shrinker regression (here the size guard
+    lowered, the same code path as a size field the shrinker misses) is the case's error, not a
+    skip; only :data:`NOT_BUILDABLE` families may raise, and only the error written there."""
+    monkeypatch.setattr(entries, "MAX_PARAMETERS", 1000)
+    with pytest.raises(ValueError, match="parameters after shrinking"):
+        test_family_plan_matches_from_pretrained("t5", torch.float16, tmp_path)
+
+
 def test_a_wrong_family_plan_fails_the_oracle(tmp_path: Path) -> None:
     """Negative control: the oracle catches a plan that misses a kept tensor, one that keeps a
     tensor the loader casts, and the plan of the wrong dtype; the real plan passes.
