@@ -432,8 +432,9 @@ def frameworks(session: nox.Session) -> None:
     docs/frameworks.md.
 
     Installs the [frameworks] versions of ci/matrix.toml, runs tests/frameworks (collected only
-    with ``--slow`` where those versions are installed), and renders the cases' records into docs/frameworks.json and
-    docs/frameworks.md, also when a case's rows changed (then the session fails, naming the test).
+    with ``--slow`` where those versions are installed), and renders the cases' records into
+    docs/frameworks.json and docs/frameworks.md, also when a case's rows changed (then the
+    session fails, naming the test).
     Arguments after ``--`` go to pytest.
     """
     install_stack(session, MATRIX.torch, TransformersPin(FRAMEWORKS["transformers"]))

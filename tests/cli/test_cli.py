@@ -397,6 +397,7 @@ def run_cli(
 
 #: A user's own module, in a folder outside the repository: a tiny real Transformers T5
 #: (keeps ``wo`` under fp16) whose batch comes from ``config.vocab_size``.
+#: ``fp32keep check`` imports it from the current directory.
 USER_MODULE = """
 from transformers import T5Config, T5ForConditionalGeneration
 
@@ -413,21 +414,6 @@ def _environment(**overrides: str) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if key != "COLUMNS"}
     env.update(overrides)
     return env
-
-
-def test_console_script_imports_a_users_module_from_the_current_directory(
-    tmp_path: Path,
-) -> None:
-    (tmp_path / "mymodels.py").write_text(USER_MODULE)
-    completed = run_cli("mymodels:build", "--dtype", "fp16", cwd=tmp_path, env=_environment())
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    assert "1 passed, 0 failed" in completed.stdout
-    assert "4: stored float32" in completed.stdout  # the four `wo` weights are kept
-    # stdout is a file: the default width, no progress lines, no commit outside a repository
-    _check_fits(completed.stdout, 100)
-    assert "[1/1]" not in completed.stdout
-    assert completed.stdout.startswith("fp32keep check: 2 ranks on ")
-    assert "commit" not in completed.stdout.split("\n\n")[0]
 
 
 def run_cli_in_terminal(
@@ -467,51 +453,6 @@ def run_cli_in_terminal(
         err.seek(0)
         out = b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
         return subprocess.CompletedProcess(completed.args, completed.returncode, out, err.read())
-
-
-def test_terminal_run_header_legend_width_progress_and_noise(tmp_path: Path) -> None:
-    """A real run in an 80-column terminal: progress per case, the header, a table that fits,
-    the legend, torch's view-tensor warning summarised once, and a rank's own stderr intact."""
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    ).stdout.strip()
-    env = _environment()
-    env.pop("OMP_NUM_THREADS", None)
-    completed = run_cli_in_terminal(
-        "t5",
-        "tests.cli.targets:noisy_stack",
-        "--batch",
-        "tests.cli.targets:toy_batch",
-        "--dtype",
-        "fp16",
-        columns=80,
-        env=env,
-    )
-    out, err = completed.stdout, completed.stderr
-    assert completed.returncode == 0, out[-3000:] + err[-3000:]
-    _check_fits(out, 80)
-    assert "fp32keep check: running 2 cases in 2 ranks" in out
-    assert "[1/2] t5 fp16 autocast ... pass" in out
-    assert "[2/2] tests.cli.targets:noisy_stack fp16 autocast ... pass" in out
-    header = " ".join(out.split("\n\n")[1].split())
-    assert header.startswith("fp32keep check: 2 ranks on gloo (cpu), OMP_NUM_THREADS=1")
-    assert "torch 2." in header
-    assert "transformers " in header
-    assert (f"commit {commit}" in header) == bool(commit)
-    assert "legend: stored = dtype at rest; gather = dtype when all-gathered" in out
-    assert "    kept 4: stored float32, all-gathered float32" in out
-    # torch's noise: one note, not a copy per rank; torchrun's OMP banner not at all
-    assert out.count("torch warned") == 1
-    assert "FSDP2-wrapped module returned a view tensor (FSDPT5Block" in " ".join(out.split())
-    assert "returned a view tensor" not in err
-    assert "Setting OMP_NUM_THREADS" not in out + err
-    # what fp32keep check does not know still reaches the user, from every rank
-    assert err.count(NOISY_LINE) >= 2
-    assert f"UserWarning: {NOISY_WARNING}" in err
 
 
 #: Set for the console script in a test and inherited by all it starts: finds its leftovers.
@@ -560,40 +501,166 @@ def test_timeout_leaves_no_rank_alive(tmp_path: Path) -> None:
     assert completed.returncode == 1
     assert "did not finish within --timeout 15 s and were killed" in completed.stderr
     assert killed_leftovers(mark) == [], "a rank of the timed-out check was still running"
+    # stdout is a file: no progress lines, the default width
+    assert "[1/1]" not in completed.stdout
+    if completed.stdout.strip():
+        _check_fits(completed.stdout, 100)
 
 
-def test_user_targets_in_two_ranks_with_report(tmp_path: Path) -> None:
-    report = tmp_path / "summary.md"
+# --- two real runs, as a user meets them --------------------------------------------------------
+# Each real run costs a torchrun and a Transformers import in every rank: the checks share two.
+
+
+@pytest.fixture(scope="module")
+def user_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A user's folder outside the repository, holding their own module."""
+    folder = tmp_path_factory.mktemp("user-project")
+    (folder / "mymodels.py").write_text(USER_MODULE)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def terminal_run(user_folder: Path) -> subprocess.CompletedProcess[str]:
+    """The installed console script in an 80-column terminal, from the user's folder: their
+    Transformers model (the default token batch) and a family from its shrunk config, fp16."""
+    env = _environment()
+    env.pop("OMP_NUM_THREADS", None)
+    return run_cli_in_terminal(
+        "mymodels:build", "--family", "gpt_oss", "--dtype", "fp16",
+        columns=80, cwd=user_folder, env=env,
+    )  # fmt: skip
+
+
+#: The targets of :func:`file_run`: the project's toys (one printing and warning in the ranks,
+#: one refused, one differing on rank 1), with ``--batch``.
+FILE_RUN_TARGETS = (
+    "tests.cli.targets:noisy_stack",
+    "tests.cli.targets:kept_stack",
+    "tests.cli.targets:root_owned",
+    "tests.cli.rank_targets:differs_on_rank_1",
+)
+
+
+@pytest.fixture(scope="module")
+def file_run(user_folder: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """The console script with stdout to a file (as CI runs it), the project's toys on
+    ``PYTHONPATH``, fp16, a Markdown and a JSON report."""
+    report = user_folder / "summary.md"
     completed = run_cli(
-        "tests.cli.targets:kept_stack",
-        "tests.cli.targets:root_owned",
-        "--batch",
-        "tests.cli.targets:toy_batch",
-        "--dtype",
-        "bf16",
-        "--report",
-        str(report),
-        env=_environment(),
+        *FILE_RUN_TARGETS,
+        *("--batch", "tests.cli.targets:toy_batch", "--dtype", "fp16", "--report", str(report)),
+        cwd=user_folder,
+        env=_environment(PYTHONPATH=str(ROOT)),
     )
-    # the root-owned layout is refused, and a user's model is not expected to be: exit 1
-    assert completed.returncode == 1, completed.stderr[-4000:]
-    assert "1 passed, 1 failed" in completed.stdout
+    return completed, report
+
+
+def test_the_console_script_imports_a_users_module_from_the_current_directory(
+    terminal_run: subprocess.CompletedProcess[str],
+) -> None:
+    out = terminal_run.stdout
+    assert terminal_run.returncode == 0, out[-3000:] + terminal_run.stderr[-3000:]
+    assert "2 passed, 0 failed" in out
+    assert "mymodels:build fp16 autocast ... pass" in out
+    assert "    kept 4: stored float32, all-gathered float32" in out  # T5's four `wo` weights
+
+
+def test_terminal_header_legend_width_progress_and_torch_noise(
+    terminal_run: subprocess.CompletedProcess[str],
+) -> None:
+    """Progress per case, the header (no commit outside a repository), a table that fits the
+    terminal, the legend, torch's view-tensor warning summarised once."""
+    out, err = terminal_run.stdout, terminal_run.stderr
+    _check_fits(out, 80)
+    assert "fp32keep check: running 2 cases in 2 ranks" in out
+    assert "[1/2] family/gpt_oss fp16 autocast ... pass" in out
+    assert "[2/2] mymodels:build fp16 autocast ... pass" in out
+    header = " ".join(out.split("\n\n")[1].split())
+    assert header.startswith("fp32keep check: 2 ranks on gloo (cpu), OMP_NUM_THREADS=1")
+    assert "torch 2." in header
+    assert "transformers " in header
+    assert "commit" not in header  # the current directory is no git repository
+    assert "legend: stored = dtype at rest; gather = dtype when all-gathered" in out
+    # torch's noise: one note, not a copy per rank; torchrun's OMP banner not at all
+    assert out.count("torch warned") == 1
+    assert "FSDP2-wrapped module returned a view tensor (FSDPT5Block" in " ".join(out.split())
+    assert "returned a view tensor" not in err
+    assert "Setting OMP_NUM_THREADS" not in out + err
+
+
+def test_the_commit_is_the_current_directorys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In the repository the header names its commit; outside one, none (the run above)."""
+    from pytest_fp32keep.check.cli import _commit
+
+    monkeypatch.chdir(ROOT)
+    expected = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    assert _commit() == (expected or None)
+    monkeypatch.chdir(tmp_path)
+    assert _commit() is None
+
+
+def test_a_failing_case_exits_1_and_the_file_output_fits_without_progress(
+    file_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    completed, _ = file_run
+    out = completed.stdout
+    # refused root_owned, differs_on_rank_1 (rank 1): a user's model is not expected to fail
+    assert completed.returncode == 1, out[-3000:] + completed.stderr[-3000:]
+    assert "2 passed, 2 failed" in out
+    assert out.startswith("fp32keep check: 2 ranks on ")  # no progress lines: not a terminal
+    assert "[1/4]" not in out
+    lines = out.splitlines()
+    _check_fits("\n".join(line for line in lines if not line.startswith("wrote ")), 100)
+
+
+def test_what_the_ranks_print_and_warn_reaches_the_user(
+    file_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    """What fp32keep check does not know still reaches the user, from every rank."""
+    completed, _ = file_run
+    assert completed.stderr.count(NOISY_LINE) >= 2
+    assert f"UserWarning: {NOISY_WARNING}" in completed.stderr
+
+
+def test_reports_hold_every_case_and_the_refusal(
+    file_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    completed, report = file_run
     markdown = report.read_text()
-    assert "| tests.cli.targets:kept_stack | bf16 | autocast | pass |" in markdown
+    assert "| tests.cli.targets:kept_stack | fp16 | autocast | pass |" in markdown
     assert "FAIL (refused)" in markdown
     assert "[root-owned]" in markdown
     data = json.loads(report.with_suffix(".json").read_text())
-    kept = data["cases"][0]["kept"]
-    assert {row["fqn"] for row in kept} == {"layers.0.wo.weight", "layers.1.wo.weight"}
-    assert {row["stored"] for row in kept} == {"float32"}
+    (kept,) = [c for c in data["cases"] if c["target"] == "tests.cli.targets:kept_stack"]
+    assert {row["fqn"] for row in kept["kept"]} == {"layers.0.wo.weight", "layers.1.wo.weight"}
+    assert {row["stored"] for row in kept["kept"]} == {"float32"}
     assert data["nproc"] == 2
     assert data["backend"] == "gloo"
     assert "2 ranks on gloo (cpu)" in markdown
     assert "stored = dtype at rest; materialized = dtype when all-gathered" in markdown
-    assert (
-        f"wrote Markdown: {report}\nwrote JSON: {report.with_suffix('.json')}" in completed.stdout
-    )
+    written = f"wrote Markdown: {report}\nwrote JSON: {report.with_suffix('.json')}"
+    assert written in completed.stdout
     # the refused case's details, in the terminal too, within the width (paths are not cut)
-    assert "tests.cli.targets:root_owned bf16 autocast: FAIL (refused)" in completed.stdout
-    lines = completed.stdout.splitlines()
-    _check_fits("\n".join(line for line in lines if not line.startswith("wrote ")), 100)
+    assert "tests.cli.targets:root_owned fp16 autocast: FAIL (refused)" in completed.stdout
+
+
+def test_a_model_that_differs_on_rank_1_fails_there_alone(
+    file_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    """Every rank's verdict merged (tests/cli/test_rank_verdicts.py): rank 0's alone passes."""
+    completed, report = file_run
+    out = " ".join(completed.stdout.split())
+    assert "FAIL (rank 1)" in out
+    assert "ranks disagree: rank 1: fail (round trip); rank 0: pass" in out
+    data = json.loads(report.with_suffix(".json").read_text())
+    target = "tests.cli.rank_targets:differs_on_rank_1"
+    (case,) = [c for c in data["cases"] if c["target"] == target]
+    assert case["ok"] is False and case["ranks_agree"] is False and case["failed_ranks"] == [1]
+    outcomes = {o["rank"]: o for o in case["rank_outcomes"]}
+    assert outcomes[0]["ok"] is True and outcomes[0]["outcome"] == "pass"
+    assert outcomes[1]["outcome"] == "fail" and outcomes[1]["failed_checks"] == ["round trip"]
+    assert [f["ranks"] for f in case["failures"]] == [[1]]

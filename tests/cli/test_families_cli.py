@@ -42,6 +42,7 @@ def test_list_says_whether_each_family_builds(capsys: pytest.CaptureFixture[str]
     assert "family/t5  (not buildable (build: " in out and "no-such-activation" in out
 
 
+@pytest.mark.slow  # the default tier runs a family in ranks in tests/cli/test_cli.py's shared run
 @pytest.mark.usefixtures("broken_t5")
 def test_family_runs_in_ranks_and_an_unbuildable_one_is_a_row(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -2,20 +2,19 @@
 every rank; a row the ranks disagree on names the ranks that failed and how; the JSON keeps each
 rank's outcome.
 
-The merge and its rendering first, pure, on case dicts shaped as the ranks make them; then one
-real run in 2 ranks of a model whose build differs on rank 1 (``tests/cli/rank_targets.py``):
+The merge and its rendering, pure, on case dicts shaped as the ranks make them. The real run in
+2 ranks of a model whose build differs on rank 1 (``tests/cli/rank_targets.py``) is one target of
+``tests/cli/test_cli.py``'s shared run (``test_a_model_that_differs_on_rank_1_fails_there_alone``):
 before this merge, rank 0's verdict alone was written, and it passed.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 from pytest_fp32keep.check.rank_verdicts import disagreement, merge_case
 from pytest_fp32keep.check.render import case_result, render_markdown, render_text
-from tests.cli.test_cli import _case, _environment, _result, run_cli
+from tests.cli.test_cli import _case, _result
 
 TRIP = {
     "check": "round trip",
@@ -78,31 +77,6 @@ def test_terminal_and_markdown_say_which_rank_failed_and_how() -> None:
     markdown = render_markdown(result)
     assert "| m:build | fp16 | autocast | FAIL (rank 1) |" in markdown
     assert "- ranks disagree: rank 1: fail (round trip); rank 0: pass" in markdown
-
-
-def test_a_model_that_differs_on_rank_1_fails_there_alone(tmp_path: Path) -> None:
-    report = tmp_path / "check.json"
-    completed = run_cli(
-        "tests.cli.rank_targets:differs_on_rank_1",
-        "--batch",
-        "tests.cli.targets:toy_batch",
-        "--dtype",
-        "bf16",
-        "--report-json",
-        str(report),
-        env=_environment(),
-    )
-    assert completed.returncode == 1, completed.stdout[-3000:] + completed.stderr[-3000:]
-    out = " ".join(completed.stdout.split())
-    assert "0 passed, 1 failed" in out
-    assert "FAIL (rank 1)" in out
-    assert "ranks disagree: rank 1: fail (round trip); rank 0: pass" in out
-    case = json.loads(report.read_text())["cases"][0]
-    assert case["ok"] is False and case["ranks_agree"] is False and case["failed_ranks"] == [1]
-    outcomes = {o["rank"]: o for o in case["rank_outcomes"]}
-    assert outcomes[0]["ok"] is True and outcomes[0]["outcome"] == "pass"
-    assert outcomes[1]["outcome"] == "fail" and outcomes[1]["failed_checks"] == ["round trip"]
-    assert [f["ranks"] for f in case["failures"]] == [[1]]
 
 
 def test_a_check_that_ran_on_no_rank_stays_not_run_and_one_that_failed_anywhere_fails() -> None:

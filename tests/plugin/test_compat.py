@@ -33,22 +33,6 @@ def test_unmarked():
 """
 
 
-def test_xdist_workers_each_get_their_own_ranks(inner: InnerProject) -> None:
-    inner.write(test_one=MARKED_FILE, test_two=MARKED_FILE)
-    result = inner.run("-n", "2", "--dist=loadfile")
-    result.assert_outcomes(passed=6)
-    marked = inner.records("marked")
-    assert len(marked) == 8  # 4 marked tests x 2 ranks
-    workers: dict[str, set[int]] = {}
-    for record in marked:
-        workers.setdefault(record["worker"], set()).add(record["pid"])
-    assert sorted(workers) == ["gw0", "gw1"], workers
-    assert all(len(pids) == 2 for pids in workers.values()), workers
-    assert not workers["gw0"] & workers["gw1"]
-    assert {r["rank"] for r in inner.records("unmarked")} == {"parent"}
-    assert leftover_processes(inner.tag) == []
-
-
 WORKER_DEATH = f"""
 import json
 import os
@@ -107,13 +91,32 @@ def test_marked_test_of_a_live_worker_passes():
     value = torch.ones(1)
     dist.all_reduce(value)
     assert value.item() == 2
+    record("marked")
 """
 
 
-def test_xdist_worker_killed_mid_test_is_reported_and_its_ranks_end(inner: InnerProject) -> None:
-    inner.write(test_worker_death=WORKER_DEATH)
+def test_xdist_workers_get_their_own_ranks_and_a_killed_worker_is_reported(
+    inner: InnerProject,
+) -> None:
+    """One ``-n 2`` session: two plain files and one whose test kills its own xdist worker.
+
+    Every worker that ran marked tests had ranks of its own (two pids, shared with no other
+    worker; the dead worker's replacement gets new ones); the dead worker's test is reported as
+    a crash, its ranks end within the bound, and nothing is left running.
+    """
+    inner.write(test_one=MARKED_FILE, test_two=MARKED_FILE, test_worker_death=WORKER_DEATH)
     result = inner.run("-n", "2", "-rA")
-    result.assert_outcomes(passed=2, failed=1)
+    result.assert_outcomes(passed=8, failed=1)
+    marked = inner.records("marked")
+    assert len(marked) == 10  # 5 marked tests that record, x 2 ranks
+    workers: dict[str, set[int]] = {}
+    for record in marked:
+        workers.setdefault(record["worker"], set()).add(record["pid"])
+    assert len(workers) >= 2, workers
+    assert all(len(pids) == 2 for pids in workers.values()), workers
+    every_pid = [pid for pids in workers.values() for pid in pids]
+    assert len(every_pid) == len(set(every_pid)), f"workers shared ranks: {workers}"
+    assert {r["rank"] for r in inner.records("unmarked")} == {"parent"}
     result.stdout.fnmatch_lines(
         [
             "*worker 'gw?' crashed while running "

@@ -1,13 +1,17 @@
 """Faults in the ranks: each one fails its test with a useful report, and the session goes on.
 
-One inner session (``--fsdp-timeout=10``, so the process-group timeout is 70 s) runs each fault
+Inner sessions (``--fsdp-timeout=10``, so the process-group timeout is 70 s) run each fault
 followed by a passing test, which must get fresh ranks; at the end nothing is left running.
-Each fault's time to its report is bounded (tests/error_bounds.py, docs/errors.md).
+Each fault's time to its report is bounded (tests/error_bounds.py, docs/errors.md). The faults
+are split over two sessions that run side by side: most of a fault's time is a wait (a grace, a
+timeout) or the start of fresh ranks, which overlap well.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -24,9 +28,10 @@ from tests.plugin._inner import (
     InnerProject,
     failure_section,
     leftover_processes,
+    new_tag,
 )
 
-INNER_TESTS = """
+PREAMBLE = """
 import os
 import signal
 import time
@@ -47,6 +52,11 @@ def ok(name):
     record("ok", test=name)
 
 
+"""
+
+#: The rank faults of one session: a rank raises, exits, is killed, runs out of memory, skips or
+#: xfails while its peer waits in a collective.
+FAULTS_IN_THE_BODY = """
 def test_ok_first():
     ok("first")
 
@@ -112,6 +122,11 @@ def test_ok_after_xfail():
     ok("after_xfail")
 
 
+"""
+
+#: The other session's: hangs until each kind of timeout, a slow peer, a fixture error, a rank
+#: that returns early, a destroyed process group.
+HANGS_AND_LEFTOVERS = """
 def test_hang_in_a_collective_until_fsdp_timeout(fsdp2_rank):
     # Rank 0 waits in a collective that rank 1 never joins: neither fails by itself.
     def hang_here():
@@ -191,34 +206,62 @@ def test_ok_after_marker_timeout():
 """
 
 
+class Sessions:
+    """The two inner sessions' results, read as one (every inner test has one home)."""
+
+    def __init__(self, runs: dict[str, tuple[InnerProject, pytest.RunResult]]) -> None:
+        self.runs = runs
+
+    def home(self, test: str) -> tuple[InnerProject, pytest.RunResult]:
+        """The session that ran ``test``."""
+        for project, result in self.runs.values():
+            if f"test_faults.py::{test}" in project.wall_times():
+                return project, result
+        raise AssertionError(f"no inner session ran {test}")
+
+    def wall(self, test: str) -> float:
+        return self.home(test)[0].wall_times()[f"test_faults.py::{test}"]
+
+    def section(self, test: str) -> str:
+        return failure_section(self.home(test)[1].stdout.str(), test)
+
+    def stdout(self, test: str) -> pytest.LineMatcher:
+        return self.home(test)[1].stdout
+
+
 @pytest.fixture(scope="module")
-def session(module_inner: InnerProject) -> tuple[InnerProject, pytest.RunResult]:
-    """The inner session, run once for every check of this module."""
-    module_inner.write(test_faults=INNER_TESTS, conftest=WALL_CLOCK_CONFTEST)
-    result = module_inner.run("-rA", f"--fsdp-timeout={INNER_FSDP_TIMEOUT_S}")
-    return module_inner, result
+def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sessions]:
+    """Both inner sessions, run side by side once for every check of this module."""
+    parts = {"body": FAULTS_IN_THE_BODY, "hangs": HANGS_AND_LEFTOVERS}
+    projects = {name: InnerProject(tmp_path_factory.mktemp(name), new_tag()) for name in parts}
+    for name, project in projects.items():
+        project.write(test_faults=PREAMBLE + parts[name], conftest=WALL_CLOCK_CONFTEST)
+
+    def run(project: InnerProject) -> pytest.RunResult:
+        return project.run("-rA", f"--fsdp-timeout={INNER_FSDP_TIMEOUT_S}")
+
+    with ThreadPoolExecutor(max_workers=len(projects)) as pool:
+        futures = {name: pool.submit(run, project) for name, project in projects.items()}
+        runs = {name: (projects[name], future.result()) for name, future in futures.items()}
+    yield Sessions(runs)
+    for project in projects.values():
+        project.kill_leftovers()
 
 
-def reported_within(project: InnerProject, test: str, bound: float) -> float:
+def reported_within(session: Sessions, test: str, bound: float) -> float:
     """The inner test's time from start to report: asserted under ``bound``, and recorded."""
-    wall = project.wall_times()[f"test_faults.py::{test}"]
+    wall = session.wall(test)
     assert wall < bound, f"{test} took {wall:.1f} s (bound {bound} s)"
     note_elapsed(wall)
     return wall
 
 
-def section(session: tuple[InnerProject, pytest.RunResult], test: str) -> str:
-    return failure_section(session[1].stdout.str(), test)
-
-
-def test_faults_fail_and_every_later_test_passes(
-    session: tuple[InnerProject, pytest.RunResult],
-) -> None:
-    _, result = session
-    result.assert_outcomes(
-        passed=15, failed=9, errors=2, xfailed=1
-    )  # the destroying test passes its call, then errors at teardown
-    result.stdout.fnmatch_lines_random(
+def test_faults_fail_and_every_later_test_passes(session: Sessions) -> None:
+    body, hangs = session.runs["body"][1], session.runs["hangs"][1]
+    body.assert_outcomes(passed=7, failed=5, xfailed=1)
+    # the destroying test passes its call, then errors at teardown
+    hangs.assert_outcomes(passed=8, failed=4, errors=2)
+    body.stdout.fnmatch_lines_random(
         [
             "PASSED test_faults.py::test_ok_first",
             "PASSED test_faults.py::test_ok_after_raise",
@@ -227,6 +270,10 @@ def test_faults_fail_and_every_later_test_passes(
             "PASSED test_faults.py::test_ok_after_out_of_memory",
             "PASSED test_faults.py::test_ok_after_skip",
             "PASSED test_faults.py::test_ok_after_xfail",
+        ]
+    )
+    hangs.stdout.fnmatch_lines_random(
+        [
             "PASSED test_faults.py::test_ok_after_hang",
             "PASSED test_faults.py::test_ok_after_return",
             "PASSED test_faults.py::test_ok_after_destroy",
@@ -239,11 +286,10 @@ def test_faults_fail_and_every_later_test_passes(
 
 
 def test_each_fault_is_followed_by_fresh_ranks(
-    session: tuple[InnerProject, pytest.RunResult],
+    session: Sessions,
 ) -> None:
-    project, _ = session
     by_test: dict[str, set[int]] = {}
-    for record in project.records("ok"):
+    for record in [r for project, _ in session.runs.values() for r in project.records("ok")]:
         by_test.setdefault(record["test"], set()).add(record["pid"])
     assert len(by_test) == 13 and all(len(pids) == 2 for pids in by_test.values()), by_test
     # A missing fixture is the test's error, not a fault of the ranks: they are kept.
@@ -253,149 +299,142 @@ def test_each_fault_is_followed_by_fresh_ranks(
 
 
 def test_raise_while_peer_waits_reports_the_real_error_within_seconds(
-    session: tuple[InnerProject, pytest.RunResult],
+    session: Sessions,
 ) -> None:
-    project, _ = session
-    text = section(session, "test_raise_while_peer_waits")
+    text = session.section("test_raise_while_peer_waits")
     assert "root cause: rank 1 (first to fail)" in text
     assert "ValueError: boom on rank 1" in text
     assert "did not finish within 3 s after rank 1 failed" in text
     assert "in test_raise_while_peer_waits" in text and "in all_reduce" in text  # rank 0's stack
-    reported_within(project, "test_raise_while_peer_waits", RANK_FAULT_BOUND_S)
+    reported_within(session, "test_raise_while_peer_waits", RANK_FAULT_BOUND_S)
 
 
 def test_skip_on_one_rank_while_the_other_waits_fails_within_seconds(
-    session: tuple[InnerProject, pytest.RunResult],
+    session: Sessions,
 ) -> None:
-    project, _ = session
-    text = section(session, "test_skip_while_peer_waits")
+    text = session.section("test_skip_while_peer_waits")
     assert "call failed on rank 0 of 2 (rank 1 skipped)" in text
     assert "no rank failed by itself: stuck after rank 1 skipped" in text
     assert "skipped: rank 1 has nothing to do" in text
-    assert project.wall_times()["test_faults.py::test_skip_while_peer_waits"] < RANK_FAULT_BOUND_S
+    assert session.wall("test_skip_while_peer_waits") < RANK_FAULT_BOUND_S
 
 
 def test_xfail_on_one_rank_while_the_other_waits_is_an_xfail(
-    session: tuple[InnerProject, pytest.RunResult],
+    session: Sessions,
 ) -> None:
-    project, result = session
-    result.stdout.fnmatch_lines(
+    session.stdout("test_xfail_while_peer_waits").fnmatch_lines(
         ["XFAIL test_faults.py::test_xfail_while_peer_waits - rank 1 cannot do this yet"]
     )
-    assert project.wall_times()["test_faults.py::test_xfail_while_peer_waits"] < RANK_FAULT_BOUND_S
+    assert session.wall("test_xfail_while_peer_waits") < RANK_FAULT_BOUND_S
 
 
-def test_exit_code_names_the_rank(session: tuple[InnerProject, pytest.RunResult]) -> None:
-    text = section(session, "test_exit_code")
+def test_exit_code_names_the_rank(session: Sessions) -> None:
+    text = session.section("test_exit_code")
     assert "root cause: rank 1 (first to fail)" in text
     assert "exited with code 3 while running the test" in text
     # Rank 0 is either stopped by torchrun or fails in its all_reduce first (gloo sees the
     # peer's socket close); either way it is listed, after the root cause.
     assert re.search(r"^-+ rank 0 -+$", text, flags=re.M), text
-    reported_within(session[0], "test_exit_code", RANK_FAULT_BOUND_S)
+    reported_within(session, "test_exit_code", RANK_FAULT_BOUND_S)
 
 
-def test_signal_names_the_rank(session: tuple[InnerProject, pytest.RunResult]) -> None:
-    text = section(session, "test_killed_by_signal")
+def test_signal_names_the_rank(session: Sessions) -> None:
+    text = session.section("test_killed_by_signal")
     assert "root cause: rank 0 (first to fail)" in text
     assert "killed by signal 9 (SIGKILL) while running the test" in text
-    project, result = session
-    result.stdout.fnmatch_lines(["FAILED test_faults.py::test_killed_by_signal - [[]rank 0[]] k*"])
-    reported_within(project, "test_killed_by_signal", RANK_FAULT_BOUND_S)
+    session.stdout("test_killed_by_signal").fnmatch_lines(
+        ["FAILED test_faults.py::test_killed_by_signal - [[]rank 0[]] k*"]
+    )
+    reported_within(session, "test_killed_by_signal", RANK_FAULT_BOUND_S)
 
 
 def test_out_of_memory_names_the_rank_and_the_error(
-    session: tuple[InnerProject, pytest.RunResult],
+    session: Sessions,
 ) -> None:
-    project, result = session
-    text = section(session, "test_out_of_memory_while_peer_waits")
+    text = session.section("test_out_of_memory_while_peer_waits")
     assert "root cause: rank 1 (first to fail)" in text
     assert "MemoryError" in text and "bytearray(1 << 62)" in text
     assert "did not finish within 3 s after rank 1 failed" in text  # rank 0, in all_reduce
     # the summary line names the rank and the error (cut to the terminal's width)
-    result.stdout.fnmatch_lines(
+    session.stdout("test_out_of_memory_while_peer_waits").fnmatch_lines(
         ["FAILED test_faults.py::test_out_of_memory_while_peer_waits - [[]rank 1[]] Memory*"]
     )
-    reported_within(project, "test_out_of_memory_while_peer_waits", RANK_FAULT_BOUND_S)
+    reported_within(session, "test_out_of_memory_while_peer_waits", RANK_FAULT_BOUND_S)
 
 
 def test_unknown_fixture_is_an_error_naming_it(
-    session: tuple[InnerProject, pytest.RunResult],
+    session: Sessions,
 ) -> None:
-    project, _ = session
-    text = section(session, "test_unknown_fixture")
+    text = session.section("test_unknown_fixture")
     assert "fixture 'no_such_fixture' not found" in text
     assert "use 'pytest --fixtures [testpath]' for help on them." in text
-    reported_within(project, "test_unknown_fixture", RANK_FAULT_BOUND_S)
+    reported_within(session, "test_unknown_fixture", RANK_FAULT_BOUND_S)
 
 
 def test_hang_reports_every_rank_stack_after_the_timeout(
-    session: tuple[InnerProject, pytest.RunResult],
+    session: Sessions,
 ) -> None:
-    project, _ = session
-    text = section(session, "test_hang_in_a_collective_until_fsdp_timeout")
+    text = session.section("test_hang_in_a_collective_until_fsdp_timeout")
     timeout = INNER_FSDP_TIMEOUT_S
     assert f"no rank failed by itself: still running after --fsdp-timeout={timeout} s" in text
     # Both ranks' stacks: rank 0 waits in the collective, rank 1 loops outside it.
     assert "in all_reduce" in text and "in hang_here" in text, text
-    wall = project.wall_times()["test_faults.py::test_hang_in_a_collective_until_fsdp_timeout"]
+    wall = session.wall("test_hang_in_a_collective_until_fsdp_timeout")
     assert timeout <= wall < HANG_BOUND_S, wall
     note_elapsed(wall)
 
 
 def test_pytest_timeout_in_the_parent_also_dumps_and_kills(
-    session: tuple[InnerProject, pytest.RunResult],
+    session: Sessions,
 ) -> None:
-    project, _ = session
-    text = section(session, "test_hang_until_pytest_timeout")
+    text = session.section("test_hang_until_pytest_timeout")
     assert (
         "was killed because the test was interrupted: Timeout (>5.0s) from pytest-timeout" in text
     )
     assert "in wait_forever_here" in text
-    reported_within(project, "test_hang_until_pytest_timeout", PYTEST_TIMEOUT_BOUND_S)
+    reported_within(session, "test_hang_until_pytest_timeout", PYTEST_TIMEOUT_BOUND_S)
 
 
 def test_rank_that_returns_while_its_peer_waits_fails_within_seconds(
-    session: tuple[InnerProject, pytest.RunResult],
+    session: Sessions,
 ) -> None:
-    text = section(session, "test_return_while_peer_waits")
+    text = session.section("test_return_while_peer_waits")
     assert "no rank failed by itself: stuck after rank 0 finished" in text
     assert "did not finish within 3 s after rank 0 finished" in text
     assert "in all_reduce" in text  # rank 1's stack
-    reported_within(session[0], "test_return_while_peer_waits", RANK_FAULT_BOUND_S)
+    reported_within(session, "test_return_while_peer_waits", RANK_FAULT_BOUND_S)
 
 
 def test_destroyed_process_group_is_reported_on_the_test_that_did_it(
-    session: tuple[InnerProject, pytest.RunResult],
+    session: Sessions,
 ) -> None:
-    project, result = session
-    result.stdout.fnmatch_lines(["ERROR test_faults.py::test_destroys_the_process_group*"])
-    text = failure_section(result.stdout.str(), "test_destroys_the_process_group")
+    session.stdout("test_destroys_the_process_group").fnmatch_lines(
+        ["ERROR test_faults.py::test_destroys_the_process_group*"]
+    )
+    text = session.section("test_destroys_the_process_group")
     assert "the test destroyed the default process group" in text
     assert "The ranks are replaced" in text
     # the next test got fresh ranks and passed (test_faults_fail_and_every_later_test_passes)
-    reported_within(project, "test_destroys_the_process_group", RANK_FAULT_BOUND_S)
+    reported_within(session, "test_destroys_the_process_group", RANK_FAULT_BOUND_S)
 
 
 def test_marker_timeout_overrides_fsdp_timeout(
-    session: tuple[InnerProject, pytest.RunResult],
+    session: Sessions,
 ) -> None:
-    project, _ = session
-    text = section(session, "test_hang_until_marker_timeout")
+    text = session.section("test_hang_until_marker_timeout")
     assert "no rank failed by itself: still running after --fsdp-timeout=3 s" in text
-    wall = project.wall_times()["test_faults.py::test_hang_until_marker_timeout"]
+    wall = session.wall("test_hang_until_marker_timeout")
     assert 3 <= wall < MARKER_TIMEOUT_BOUND_S, wall  # the marker's 3 s, not the session's 10 s
     note_elapsed(wall)
 
 
 def test_a_slow_but_healthy_peer_is_not_killed(
-    session: tuple[InnerProject, pytest.RunResult],
+    session: Sessions,
 ) -> None:
-    project, _ = session
-    wall = project.wall_times()["test_faults.py::test_slow_peer_after_an_early_finish"]
+    wall = session.wall("test_slow_peer_after_an_early_finish")
     assert wall >= 6, wall  # it ran to its end, past the 3 s grace, and passed
 
 
-def test_no_process_left(session: tuple[InnerProject, pytest.RunResult]) -> None:
-    project, _ = session
-    assert leftover_processes(project.tag) == []
+def test_no_process_left(session: Sessions) -> None:
+    for project, _ in session.runs.values():
+        assert leftover_processes(project.tag) == []

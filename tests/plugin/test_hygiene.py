@@ -1,5 +1,11 @@
 """What a user's settings and a test's leftovers do to marked tests: warnings as errors, warnings
-in the summary, torch's global defaults restored between tests."""
+in the summary, torch's global defaults restored between tests, huge output, a kept fixture's
+raising teardown.
+
+One inner session (``session``) runs every plain case, each in its own file; the warnings-as-errors
+variants need sessions of their own and are in the slow tier (the default tier runs ``-W error``
+on the installed wheel, ``tests/test_packaging.py``).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +15,15 @@ from pathlib import Path
 import pytest
 
 from tests.error_bounds import RANK_FAULT_BOUND_S, note_elapsed
-from tests.plugin._inner import PASSING_MARKED_TEST, InnerProject
+from tests.plugin._inner import (
+    PASSING_MARKED_TEST,
+    WALL_CLOCK_CONFTEST,
+    InnerProject,
+    failure_section,
+)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "ini"),
     [
@@ -30,112 +42,9 @@ def test_warnings_as_errors_let_marked_tests_run(
     assert "could not start" not in result.stdout.str()
 
 
-def test_warnings_in_ranks_reach_the_summary_once(inner: InnerProject) -> None:
-    inner.write(
-        test_warns="""
-        import warnings
-        import pytest
-
-        @pytest.mark.fsdp2
-        def test_warns(fsdp2_rank):
-            warnings.warn("careful with this model", UserWarning)
-            if fsdp2_rank == 1:
-                warnings.warn("only rank 1 saw this", DeprecationWarning)
-        """
-    )
-    result = inner.run("-rA")
-    result.assert_outcomes(passed=1, warnings=2)  # identical ones from both ranks: one
-    text = result.stdout.str()
-    assert "RankWarning: [ranks 0,1] UserWarning: careful with this model" in text
-    assert "RankWarning: [rank 1] DeprecationWarning: only rank 1 saw this" in text
-    assert text.count("careful with this model") == 1
-    result.stdout.fnmatch_lines(["*test_warns.py::test_warns*"])  # the summary names the test
-
-
-def test_changed_torch_defaults_are_restored_and_named(inner: InnerProject) -> None:
-    inner.write(
-        test_defaults="""
-        import pytest
-        import torch
-
-        pytestmark = pytest.mark.fsdp2
-
-        def test_changes_defaults():
-            torch.set_default_dtype(torch.float64)
-            torch.set_grad_enabled(False)
-
-        def test_sees_the_usual_defaults():
-            assert torch.get_default_dtype() == torch.float32
-            assert torch.is_grad_enabled()
-        """
-    )
-    result = inner.run("-rA")
-    result.assert_outcomes(passed=2, warnings=1)
-    result.stdout.fnmatch_lines(
-        [
-            "*RankWarning: [[]ranks 0,1[]] test_defaults.py::test_changes_defaults changed the "
-            "default dtype to torch.float64, grad mode to disabled and did not restore it*"
-        ]
-    )
-
-
-def test_negative_control_defaults_leak_without_the_restore(inner: InnerProject) -> None:
-    """The second test above can fail: in one test body, the leak is visible."""
-    inner.write(
-        test_leak="""
-        import pytest
-        import torch
-
-        @pytest.mark.fsdp2
-        def test_leak_within_one_test():
-            torch.set_default_dtype(torch.float64)
-            try:
-                assert torch.get_default_dtype() == torch.float32
-            finally:
-                torch.set_default_dtype(torch.float32)
-        """
-    )
-    result = inner.run("-rA")
-    result.assert_outcomes(failed=1)
-
-
-def test_huge_output_is_spilled_to_a_file_and_the_failure_still_reported(
-    inner: InnerProject,
-) -> None:
-    inner.write(
-        test_loud="""
-        import sys
-        import pytest
-
-        @pytest.mark.fsdp2
-        def test_loud(fsdp2_rank):
-            line = "x" * 99 + "\\n"
-            sys.stdout.write(line * 300_000)  # 30 MB per rank
-            assert fsdp2_rank == 0, "the real failure, after all that output"
-        """
-    )
-    result = inner.run("-rA")
-    result.assert_outcomes(failed=1)
-    text = result.stdout.str()
-    assert "AssertionError: the real failure, after all that output" in text
-    assert "internal error" not in text
-    spilled = re.findall(r"characters cut here; the whole text is in (\S+)\]", text)
-    assert spilled, text[-3000:]
-    whole = Path(spilled[0]).read_text()
-    assert len(whole) >= 30_000_000 and whole.count("x" * 99) == 300_000
-    assert len(text) < 5_000_000  # the terminal got the head and the tail, not 60 MB
-    # the whole inner session, start-up included: no grace ran out while the ranks printed
-    assert result.duration < RANK_FAULT_BOUND_S, result.duration
-    note_elapsed(result.duration)
-
-
-def test_teardown_error_of_a_fixture_kept_from_an_earlier_test_is_an_error(
-    inner: InnerProject,
-) -> None:
-    """The ranks keep module fixtures for the test they expect next; when the parent skips that
-    test, they tear the fixture down before the next one, and a raising teardown is an error."""
-    inner.write(
-        test_a="""
+#: One file per case; the session runs them in this (alphabetical) order in one group of ranks.
+INNER_FILES = {
+    "test_a": """
         import pytest
 
         pytestmark = pytest.mark.fsdp2
@@ -152,17 +61,136 @@ def test_teardown_error_of_a_fixture_kept_from_an_earlier_test_is_an_error(
         def test_skipped_in_the_parent(resource):
             pass
         """,
-        test_b="""
+    "test_b": """
         import pytest
 
         @pytest.mark.fsdp2
         def test_next():
             pass
         """,
-    )
-    result = inner.run("-rA")
-    result.assert_outcomes(passed=2, skipped=1, errors=1)
+    "test_defaults": """
+        import pytest
+        import torch
+
+        pytestmark = pytest.mark.fsdp2
+
+        def test_changes_defaults():
+            torch.set_default_dtype(torch.float64)
+            torch.set_grad_enabled(False)
+
+        def test_sees_the_usual_defaults():
+            assert torch.get_default_dtype() == torch.float32
+            assert torch.is_grad_enabled()
+        """,
+    "test_leak": """
+        import pytest
+        import torch
+
+        @pytest.mark.fsdp2
+        def test_leak_within_one_test():
+            torch.set_default_dtype(torch.float64)
+            try:
+                assert torch.get_default_dtype() == torch.float32
+            finally:
+                torch.set_default_dtype(torch.float32)
+        """,
+    "test_loud": """
+        import sys
+        import pytest
+
+        @pytest.mark.fsdp2
+        def test_loud(fsdp2_rank):
+            line = "x" * 99 + "\\n"
+            sys.stdout.write(line * 300_000)  # 30 MB per rank
+            assert fsdp2_rank == 0, "the real failure, after all that output"
+        """,
+    "test_warns": """
+        import warnings
+        import pytest
+
+        @pytest.mark.fsdp2
+        def test_warns(fsdp2_rank):
+            warnings.warn("careful with this model", UserWarning)
+            if fsdp2_rank == 1:
+                warnings.warn("only rank 1 saw this", DeprecationWarning)
+        """,
+}
+
+
+@pytest.fixture(scope="module")
+def session(module_inner: InnerProject) -> tuple[InnerProject, pytest.RunResult]:
+    """The inner session of every plain case, run once for the checks of this module."""
+    module_inner.write(conftest=WALL_CLOCK_CONFTEST, **INNER_FILES)
+    return module_inner, module_inner.run("-rA")
+
+
+def test_every_case_has_its_outcome(session: tuple[InnerProject, pytest.RunResult]) -> None:
+    _, result = session
+    # test_a+b: 2 passed, 1 skipped, 1 error; defaults: 2 passed (1 warning); leak: 1 failed;
+    # loud: 1 failed; warns: 1 passed (2 warnings: identical ones from both ranks are one)
+    result.assert_outcomes(passed=5, failed=2, skipped=1, errors=1, warnings=3)
+
+
+def test_warnings_in_ranks_reach_the_summary_once(
+    session: tuple[InnerProject, pytest.RunResult],
+) -> None:
+    _, result = session
     text = result.stdout.str()
+    assert "RankWarning: [ranks 0,1] UserWarning: careful with this model" in text
+    assert "RankWarning: [rank 1] DeprecationWarning: only rank 1 saw this" in text
+    assert text.count("careful with this model") == 1
+    result.stdout.fnmatch_lines(["*test_warns.py::test_warns*"])  # the summary names the test
+
+
+def test_changed_torch_defaults_are_restored_and_named(
+    session: tuple[InnerProject, pytest.RunResult],
+) -> None:
+    _, result = session
+    result.stdout.fnmatch_lines_random(["PASSED test_defaults.py::test_sees_the_usual_defaults"])
+    result.stdout.fnmatch_lines(
+        [
+            "*RankWarning: [[]ranks 0,1[]] test_defaults.py::test_changes_defaults changed the "
+            "default dtype to torch.float64, grad mode to disabled and did not restore it*"
+        ]
+    )
+
+
+def test_negative_control_defaults_leak_without_the_restore(
+    session: tuple[InnerProject, pytest.RunResult],
+) -> None:
+    """The restore check above can fail: in one test body, the leak is visible."""
+    _, result = session
+    result.stdout.fnmatch_lines_random(["FAILED test_leak.py::test_leak_within_one_test*"])
+
+
+def test_huge_output_is_spilled_to_a_file_and_the_failure_still_reported(
+    session: tuple[InnerProject, pytest.RunResult],
+) -> None:
+    project, result = session
+    text = result.stdout.str()
+    result.stdout.fnmatch_lines_random(["FAILED test_loud.py::test_loud*"])
+    assert "AssertionError: the real failure, after all that output" in text
+    assert "internal error" not in text
+    spilled = re.findall(r"characters cut here; the whole text is in (\S+)\]", text)
+    assert spilled, text[-3000:]
+    whole = Path(spilled[0]).read_text()
+    assert len(whole) >= 30_000_000 and whole.count("x" * 99) == 300_000
+    assert len(text) < 5_000_000  # the terminal got the head and the tail, not 60 MB
+    # from its start to its report: no grace ran out while the ranks printed
+    wall = project.wall_times()["test_loud.py::test_loud"]
+    assert wall < RANK_FAULT_BOUND_S, wall
+    note_elapsed(wall)
+
+
+def test_teardown_error_of_a_fixture_kept_from_an_earlier_test_is_an_error(
+    session: tuple[InnerProject, pytest.RunResult],
+) -> None:
+    """The ranks keep module fixtures for the test they expect next; when the parent skips that
+    test, they tear the fixture down before the next one, and a raising teardown is an error."""
+    _, result = session
+    text = failure_section(result.stdout.str(), "test_next")
     assert "tearing down fixtures kept from an earlier test raised before this test" in text
     assert "RuntimeError: cleanup of the kept resource failed" in text
-    result.stdout.fnmatch_lines(["ERROR test_b.py::test_next*"])
+    result.stdout.fnmatch_lines_random(
+        ["PASSED test_a.py::test_uses_it", "ERROR test_b.py::test_next*"]
+    )

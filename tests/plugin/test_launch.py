@@ -1,47 +1,8 @@
-"""Starting the ranks: inherited plugins, rank-only collection errors, ranks that never start."""
+"""Ranks that never start (inherited plugins and rank-only collection errors: test_lockstep.py)."""
 
 from __future__ import annotations
 
 from tests.plugin._inner import InnerProject, failure_section, leftover_processes
-
-
-def test_ranks_inherit_plugins_and_report_tests_they_cannot_collect(inner: InnerProject) -> None:
-    inner.write(
-        extra_fixtures="""
-        import pytest
-
-        @pytest.fixture
-        def greeting():
-            return "hello from a -p plugin"
-        """,
-        test_uses_plugin="""
-        import pytest
-
-        @pytest.mark.fsdp2
-        def test_fixture_from_plugin(greeting):
-            assert greeting == "hello from a -p plugin"
-        """,
-        test_rank_only_import_error="""
-        import os
-        import pytest
-
-        if "RANK" in os.environ:
-            raise RuntimeError("this module cannot be imported in the ranks")
-
-        @pytest.mark.fsdp2
-        def test_not_collected_in_ranks():
-            pass
-        """,
-    )
-    result = inner.run("-p", "extra_fixtures", "-rA")
-    result.assert_outcomes(passed=1, errors=1)
-    text = failure_section(result.stdout.str(), "test_not_collected_in_ranks")
-    assert (
-        "collected no test with id 'test_rank_only_import_error.py::test_not_collected_in_ranks'"
-        in text
-    )
-    assert "RuntimeError: this module cannot be imported in the ranks" in text
-    assert leftover_processes(inner.tag) == []
 
 
 def test_ranks_that_cannot_start_fail_their_tests_and_are_not_retried_for_ever(

@@ -1,7 +1,9 @@
 """Marked tests run in lock-step in ranks kept alive across tests, with pytest's machinery.
 
 One inner session covers the ordinary behaviours (each assertion names what it checks); it
-starts three groups: the shared 2-rank group, a 1-rank group, and one isolated group.
+starts three groups: the shared 2-rank group, a 1-rank group, and one isolated group. Beside
+``test_lockstep.py`` it holds a ``-p`` plugin whose fixture the ranks must see, a module the ranks
+cannot import, and two packages whose unmarked tests interleave with a marked one.
 """
 
 from __future__ import annotations
@@ -166,19 +168,95 @@ def test_after_isolated():
 """
 
 
+#: A plugin given with ``-p``: the ranks inherit it, so its fixture works in a marked test.
+EXTRA_FIXTURES = """
+import pytest
+
+@pytest.fixture
+def greeting():
+    return "hello from a -p plugin"
+"""
+
+USES_PLUGIN = """
+import pytest
+
+@pytest.mark.fsdp2
+def test_fixture_from_plugin(greeting):
+    assert greeting == "hello from a -p plugin"
+"""
+
+#: The parent collects this module; the ranks cannot import it.
+RANK_ONLY_IMPORT_ERROR = """
+import os
+import pytest
+
+if "RANK" in os.environ:
+    raise RuntimeError("this module cannot be imported in the ranks")
+
+@pytest.mark.fsdp2
+def test_not_collected_in_ranks():
+    pass
+"""
+
+#: Marked and unmarked tests interleaved across packages: the pytest process's own setup stack
+#: stays in step, so package fixtures of unmarked tests are finalised when the run leaves them.
+PACKAGES = {
+    "a/__init__.py": "",
+    "a/conftest.py": """
+import pytest
+
+@pytest.fixture(scope="package")
+def package_resource(tmp_path_factory):
+    yield "a"
+    (tmp_path_factory.getbasetemp() / "a-finalised").write_text("1")
+""",
+    "a/test_a.py": """
+import pytest
+
+def test_unmarked(package_resource):
+    assert package_resource == "a"
+
+@pytest.mark.fsdp2
+def test_marked(fsdp2_world_size):
+    assert fsdp2_world_size == 2
+""",
+    "b/__init__.py": "",
+    "b/test_b.py": """
+def test_unmarked_in_b(tmp_path_factory):
+    assert (tmp_path_factory.getbasetemp() / "a-finalised").exists()
+""",
+}
+
+
 @pytest.fixture(scope="module")
 def session(module_inner: InnerProject) -> tuple[InnerProject, pytest.RunResult]:
     """The inner session, run once for every check of this module (it starts real ranks)."""
-    module_inner.write(test_lockstep=INNER_TESTS)
-    result = module_inner.run("--strict-markers", "-rA", "-v", "--junitxml=out.xml")
+    module_inner.write(
+        test_lockstep=INNER_TESTS,
+        extra_fixtures=EXTRA_FIXTURES,
+        test_uses_plugin=USES_PLUGIN,
+        test_rank_only_import_error=RANK_ONLY_IMPORT_ERROR,
+    )
+    for name, source in PACKAGES.items():
+        (module_inner.path / name).parent.mkdir(exist_ok=True)
+        (module_inner.path / name).write_text(source)
+    result = module_inner.run(
+        "--strict-markers", "-rA", "-v", "--junitxml=out.xml", "-p", "extra_fixtures"
+    )
     return module_inner, result
 
 
 def test_outcomes_of_every_test(session: tuple[InnerProject, pytest.RunResult]) -> None:
     _, result = session
-    result.assert_outcomes(passed=16, failed=4, skipped=1, xfailed=1, xpassed=1)
+    # test_lockstep.py: 16 passed, 4 failed, 1 skipped, 1 xfailed, 1 xpassed; the plugin's
+    # fixture: 1 passed; the rank-only import error: 1 error; the packages: 3 passed
+    result.assert_outcomes(passed=20, failed=4, skipped=1, xfailed=1, xpassed=1, errors=1)
     result.stdout.fnmatch_lines_random(
         [
+            "PASSED test_uses_plugin.py::test_fixture_from_plugin",
+            "PASSED a/test_a.py::test_unmarked",
+            "PASSED a/test_a.py::test_marked",
+            "PASSED b/test_b.py::test_unmarked_in_b",
             "PASSED test_lockstep.py::test_all_reduce",
             "PASSED test_lockstep.py::test_parametrized[[]1[]]",
             "PASSED test_lockstep.py::test_parametrized[[]3[]]",
@@ -276,7 +354,7 @@ def test_junitxml_holds_one_testcase_per_test(
     project, _ = session
     root = ET.parse(next(project.path.glob("out.xml"))).getroot()
     cases = {case.get("name"): case for case in root.iter("testcase")}
-    assert len(cases) == 23
+    assert len(cases) == 28
     failure = cases["test_fails_on_rank_1"].find("failure")
     assert failure is not None
     assert failure.get("message", "").startswith("[rank 1] AssertionError: rank 1 is wrong")
@@ -285,6 +363,18 @@ def test_junitxml_holds_one_testcase_per_test(
     outcomes = junit_outcomes(next(project.path.glob("out.xml")))
     assert outcomes["test_skip_on_every_rank"].outcome == "skipped"
     assert_passed(outcomes["test_all_reduce"])  # passed: not failed, not errored, not skipped
+
+
+def test_ranks_report_tests_they_cannot_collect(
+    session: tuple[InnerProject, pytest.RunResult],
+) -> None:
+    _, result = session
+    text = failure_section(result.stdout.str(), "test_not_collected_in_ranks")
+    assert (
+        "collected no test with id 'test_rank_only_import_error.py::test_not_collected_in_ranks'"
+        in text
+    )
+    assert "RuntimeError: this module cannot be imported in the ranks" in text
 
 
 def test_no_process_left(session: tuple[InnerProject, pytest.RunResult]) -> None:
