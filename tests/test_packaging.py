@@ -221,6 +221,7 @@ def test_sdist_carries_what_its_tests_read(dists: Dists) -> None:
     assert caches == [], f"the sdist carries caches or bytecode: {caches}"
 
 
+@pytest.mark.slow  # the default tier checks what the sdist carries, and runs the installed wheel
 def test_unpacked_sdist_passes_its_own_tests(dists: Dists, tmp_path: Path) -> None:
     """The subset runs from the unpacked folder against its own code, not this checkout's."""
     with tarfile.open(dists.sdist) as sdist:
