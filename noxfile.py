@@ -231,13 +231,12 @@ def run_pytest(session: nox.Session, name: str, pin: TransformersPin) -> bool:
     junit = session.env_dir / f"junit-{pin.label}.xml"
     junit.unlink(missing_ok=True)
     exit_code = 0
+    args = pytest_args(session)
     try:
-        session.run(
-            "pytest", f"--junitxml={junit}", "-o", f"junit_suite_name={name}", *session.posargs
-        )
+        session.run("pytest", f"--junitxml={junit}", "-o", f"junit_suite_name={name}", *args)
     except CommandFailed as failure:
         exit_code = failure.return_code if failure.return_code is not None else -1
-    if COLLECT_ONLY & set(session.posargs):
+    if COLLECT_ONLY & set(args):
         return exit_code == 0  # ran no test: nothing to put in the table
     session.run(
         "python",
@@ -249,9 +248,16 @@ def run_pytest(session: nox.Session, name: str, pin: TransformersPin) -> bool:
         f"--junit={junit}",
         f"--exit-code={exit_code}",
         "--",
-        *session.posargs,
+        *args,
     )
     return exit_code == 0
+
+
+def pytest_args(session: nox.Session) -> list[str]:
+    """The test sessions' pytest arguments: every tier (``--slow``) unless arguments after
+    ``--`` are given, which then are the whole selection (add ``--slow`` to them for the slow
+    tier too; ``.ci/run`` gives its own, the default tier)."""
+    return list(session.posargs) or ["--slow"]
 
 
 def _tests_session(pin: TransformersPin) -> Callable[[nox.Session], None]:
