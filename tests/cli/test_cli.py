@@ -495,11 +495,11 @@ def test_timeout_leaves_no_rank_alive(tmp_path: Path) -> None:
         "--batch",
         "tests.cli.targets:toy_batch",
         "--timeout",
-        "15",
+        "10",
         env=env,
     )
     assert completed.returncode == 1
-    assert "did not finish within --timeout 15 s and were killed" in completed.stderr
+    assert "did not finish within --timeout 10 s and were killed" in completed.stderr
     assert killed_leftovers(mark) == [], "a rank of the timed-out check was still running"
     # stdout is a file: no progress lines, the default width
     assert "[1/1]" not in completed.stdout

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "quickstart.py"
 
@@ -23,6 +25,7 @@ def test_readme_quotes_the_quickstart_verbatim() -> None:
         assert line in example, f"README line not in examples/quickstart.py: {line!r}"
 
 
+@pytest.mark.slow  # its own torchrun; the features it shows run in tests/multirank by default
 def test_quickstart_runs_in_two_ranks_and_keeps_wo_fp32() -> None:
     completed = subprocess.run(
         [

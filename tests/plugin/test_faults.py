@@ -127,6 +127,10 @@ def test_ok_after_xfail():
 #: The other session's: hangs until each kind of timeout, a slow peer, a fixture error, a rank
 #: that returns early, a destroyed process group.
 HANGS_AND_LEFTOVERS = """
+def test_ok_before_the_hangs():
+    ok("before_the_hangs")  # starts the ranks: the first hang's time is the hang's alone
+
+
 def test_hang_in_a_collective_until_fsdp_timeout(fsdp2_rank):
     # Rank 0 waits in a collective that rank 1 never joins: neither fails by itself.
     def hang_here():
@@ -260,7 +264,7 @@ def test_faults_fail_and_every_later_test_passes(session: Sessions) -> None:
     body, hangs = session.runs["body"][1], session.runs["hangs"][1]
     body.assert_outcomes(passed=7, failed=5, xfailed=1)
     # the destroying test passes its call, then errors at teardown
-    hangs.assert_outcomes(passed=8, failed=4, errors=2)
+    hangs.assert_outcomes(passed=9, failed=4, errors=2)
     body.stdout.fnmatch_lines_random(
         [
             "PASSED test_faults.py::test_ok_first",
@@ -274,6 +278,7 @@ def test_faults_fail_and_every_later_test_passes(session: Sessions) -> None:
     )
     hangs.stdout.fnmatch_lines_random(
         [
+            "PASSED test_faults.py::test_ok_before_the_hangs",
             "PASSED test_faults.py::test_ok_after_hang",
             "PASSED test_faults.py::test_ok_after_return",
             "PASSED test_faults.py::test_ok_after_destroy",
@@ -291,11 +296,11 @@ def test_each_fault_is_followed_by_fresh_ranks(
     by_test: dict[str, set[int]] = {}
     for record in [r for project, _ in session.runs.values() for r in project.records("ok")]:
         by_test.setdefault(record["test"], set()).add(record["pid"])
-    assert len(by_test) == 13 and all(len(pids) == 2 for pids in by_test.values()), by_test
+    assert len(by_test) == 14 and all(len(pids) == 2 for pids in by_test.values()), by_test
     # A missing fixture is the test's error, not a fault of the ranks: they are kept.
     assert by_test.pop("after_unknown_fixture") == by_test["last"], by_test
     every_pid = [pid for pids in by_test.values() for pid in pids]
-    assert len(set(every_pid)) == 24, f"a group was reused after a fault: {by_test}"
+    assert len(set(every_pid)) == 26, f"a group was reused after a fault: {by_test}"
 
 
 def test_raise_while_peer_waits_reports_the_real_error_within_seconds(
