@@ -1,7 +1,9 @@
 """Every zoo model runs the full contract in two ranks, or is refused where FSDP2 cannot keep it.
 
 Entries missing from the installed Transformers (Afmoe before 5.x) skip with the reason, decided
-in the parent before any rank starts.
+in the parent before any rank starts. The default tier runs every entry at both dtypes with a unit
+per kept module, and the model-wide kept unit (``group_kept="model"``) on the entries of
+:data:`MODEL_WIDE_DEFAULT`; the slow tier runs the model-wide unit on every entry too.
 """
 
 from __future__ import annotations
@@ -18,20 +20,26 @@ from pytest_fp32keep.check.zoo import ZOO, ZooEntry, available_entries
 
 AVAILABILITY = available_entries()
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: The model-wide kept unit in the default tier: an encoder-decoder keeping large matrices (T5's
+#: `wo`, fp16), a strict router list (Ernie4.5-MoE, bf16), every norm of a decoder (GptOss, fp16).
+MODEL_WIDE_DEFAULT = frozenset({("t5", "fp16"), ("ernie4_5_moe", "bf16"), ("gpt_oss", "fp16")})
+LAYOUTS = {"unit-per-kept-module": False, "model-wide-kept-unit": "model"}
 
 
-def case(name: str, dtype: str) -> object:
+def case(name: str, dtype: str, layout: str) -> object:
     marks = []
     if name in AVAILABILITY.unavailable:
         marks.append(pytest.mark.skip(reason=AVAILABILITY.unavailable[name]))
-    return pytest.param(name, dtype, id=f"{name}-{dtype}", marks=marks)
+    if LAYOUTS[layout] and (name, dtype) not in MODEL_WIDE_DEFAULT:
+        marks.append(pytest.mark.slow)
+    return pytest.param(name, dtype, LAYOUTS[layout], id=f"{name}-{dtype}-{layout}", marks=marks)
 
 
 @pytest.mark.fsdp2
 @pytest.mark.parametrize(
-    "group_kept", [False, "model"], ids=["unit-per-kept-module", "model-wide-kept-unit"]
+    ("name", "dtype", "group_kept"),
+    [case(n, d, layout) for layout in LAYOUTS for n in ZOO for d in DTYPES],
 )
-@pytest.mark.parametrize(("name", "dtype"), [case(n, d) for n in ZOO for d in DTYPES])
 def test_zoo_model_keeps_the_contract(
     fsdp2_mesh: DeviceMesh, name: str, dtype: str, group_kept: bool | str
 ) -> None:
