@@ -25,11 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fp32keep
 from fp32keep import KeepPlan
 from fp32keep.wrap import hook_called_methods
+from pytest_fp32keep.contract.fsdp_state import fsdp_units
 from pytest_fp32keep.contract.reference import seeded
 from pytest_fp32keep.contract.steps import device_of, forward_backward, master_cast
 
@@ -50,6 +51,10 @@ class Unit:
     """Where the call found its parameters: ``module.name`` of each attribute it manages. Two
     units can hold the same tied parameter in different attributes (Transformers unties, shards,
     and ties again), which ``params`` (every name of each parameter) cannot tell apart."""
+    groups: int = 1
+    """How many FSDP2 param groups the call made (more than one: a ``shard_placement_fn`` put
+    parameters on other process groups). The control shards the unit as one group on the
+    contract's mesh."""
 
     def inside(self, other: Unit) -> bool:
         """Whether a module of this unit sits strictly inside a module of ``other``."""
@@ -71,34 +76,31 @@ def _param_fqns(model: nn.Module) -> dict[int, list[str]]:
 def unit_layout(model: nn.Module) -> tuple[Unit, ...]:
     """The FSDP2 units of ``model`` (sharded by anyone), one per ``fully_shard`` call.
 
-    Reads FSDP2's per-module state (``fully_shard.state``), which is not public API but has kept
-    its shape since torch 2.6: the modules of the call (``_modules``) and its parameter group.
+    torch has no public API that lists what a unit holds; the reads of FSDP2's private state
+    live in :mod:`.fsdp_state` (every attribute named, the torch releases verified, a clear
+    :class:`~.fsdp_state.FsdpStateError` when torch changes them). A call whose parameters
+    FSDP2 split into several param groups (per-parameter meshes) is one unit holding all of
+    them; :attr:`Unit.groups` says how many.
     """
     fqn_of = {id(module): fqn for fqn, module in model.named_modules(remove_duplicate=False)}
     names = _param_fqns(model)
     units: list[Unit] = []
-    seen: set[int] = set()
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        state: Any = fully_shard.state(module)  # type: ignore[attr-defined]
-        if id(state) in seen:
-            continue  # a grouped call: every module of the group shares one state
-        seen.add(id(state))
-        group = state._fsdp_param_group
+    for view in fsdp_units(model):
         params: set[str] = set()
         slots: set[str] = set()
-        for fsdp_param in group.fsdp_params if group is not None else ():
-            info = fsdp_param._module_info
-            params.update(names.get(id(getattr(info.module, info.param_name)), []))
-            owners = (
-                (info.module, info.param_name),
-                *zip(info.shared_modules, info.shared_param_names, strict=True),
+        for managed in view.params:
+            params.update(names.get(id(managed.parameter), []))
+            slots.update(_joined(fqn_of[id(owner)], name) for owner, name in managed.attributes)
+        modules = tuple(fqn_of[id(m)] for m in view.modules)
+        units.append(
+            Unit(
+                modules,
+                frozenset(params),
+                view.reshards_after_forward,
+                frozenset(slots),
+                groups=len(view.groups),
             )
-            slots.update(_joined(fqn_of[id(owner)], name) for owner, name in owners)
-        modules = tuple(fqn_of[id(m)] for m in state._modules)
-        reshard = group is None or group.post_forward_mesh_info is not None
-        units.append(Unit(modules, frozenset(params), reshard, frozenset(slots)))
+        )
     return tuple(units)
 
 
