@@ -155,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
         "parameters that are not kept stored in --dtype",
     )
     check.add_argument(
+        "--measure-spread",
+        action="store_true",
+        help="run the parity control twice on every case and report how far its two runs "
+        "differ (a diagnostic: the control already runs twice wherever a run is not known to "
+        "be deterministic; docs/contract.md)",
+    )
+    check.add_argument(
         "--batch",
         metavar="MODULE:FUNCTION",
         help="function(model) -> batch for the package.module:factory TARGETs (zoo entries "
@@ -359,6 +366,7 @@ def check(args: argparse.Namespace, usage_error: UsageError) -> int:
         "autocast": [context == "autocast" for context in args.context],
         "prefetch": [False, True] if args.prefetch else [False],
         "master_dtype": args.master_dtype,
+        "measure_spread": args.measure_spread,
         "progress": progress,
         "width": width,
     }

@@ -58,9 +58,13 @@ from pytest_fp32keep.contract.checks.boundary import check_boundary, check_opera
 from pytest_fp32keep.contract.checks.parity import check_parity
 from pytest_fp32keep.contract.checks.round_trip import check_round_trip
 from pytest_fp32keep.contract.checks.storage import check_materialized, check_stored
-from pytest_fp32keep.contract.control import control_gradients, unit_layout
-from pytest_fp32keep.contract.master import as_master_grads, validate_master_dtype
-from pytest_fp32keep.contract.parity_policy import control_errors
+from pytest_fp32keep.contract.control import control_run, measure_control, unit_layout
+from pytest_fp32keep.contract.master import (
+    as_master_grads,
+    expected_storage,
+    validate_master_dtype,
+)
+from pytest_fp32keep.contract.parity_policy import ControlMeasure
 from pytest_fp32keep.contract.reference import build_unsharded_reference, seeded
 from pytest_fp32keep.contract.report import ContractReport, ContractViolation, Finding, KeptTensor
 from pytest_fp32keep.contract.steps import (
@@ -138,6 +142,7 @@ class _Setup:
     cast: CastFn
     shard: ShardFn
     load: LoadFn
+    measure_spread: bool
 
 
 @dataclasses.dataclass
@@ -212,13 +217,15 @@ class _Steps:
             self.agreement.step("shard", shard)
             sharded = not self.agreement.crashed or self.agreement.crashes[0].step != "shard"
         checkpoint = m.checkpoint
+        # what the convention stores, from the reference and the plan: never from the model
+        expected = expected_storage(m.reference, m.plan, s.master_dtype)
         if checkpoint is not None and self.agreement.runs("load"):
             trip, _ = self.agreement.step(
-                "load", lambda: check_round_trip(m.model, checkpoint, s.load)
+                "load", lambda: check_round_trip(m.model, checkpoint, s.load, expected)
             )
             self.findings += trip or []
         if sharded:  # at rest after cast, shard and load
-            self.findings += check_stored(m.model, m.reference, m.plan, s.master_dtype)
+            self.findings += check_stored(m.model, expected, m.plan)
 
     def run_model(self) -> None:
         """``forward`` and ``backward`` of the model under test, each its own step."""
@@ -235,11 +242,13 @@ class _Steps:
         if expected is None or observed is None:
             return [], {}
 
-        def control() -> dict[str, float]:
-            grads = control_gradients(
+        def control() -> ControlMeasure:
+            units = unit_layout(m.model)
+            run = functools.partial(
+                control_run,
                 m.factory,
                 self.batch,
-                units=unit_layout(m.model),
+                units=units,
                 mesh=s.mesh,
                 dtype=s.dtype,
                 master_dtype=s.master_dtype,
@@ -249,7 +258,17 @@ class _Steps:
                 loss_fn=s.loss_fn,
                 seed=s.seed,
             )
-            return control_errors(grads, expected.grads)
+            return measure_control(
+                run,
+                expected,
+                observed,
+                units=units,
+                device=m.device,
+                measure_spread=s.measure_spread,
+                on_any_rank=functools.partial(
+                    self.agreement.on_any_rank, "parity control (second run)"
+                ),
+            )
 
         compared, notes, seen = _compare_runs(
             m,
@@ -258,6 +277,7 @@ class _Steps:
             policy=s.policy,
             control=control,
             on_any_rank=functools.partial(self.agreement.on_any_rank, "parity control"),
+            measure_spread=s.measure_spread,
         )
         self.findings += compared
         return notes, seen
@@ -269,8 +289,9 @@ def _compare_runs(
     expected: Run,
     *,
     policy: MixedPrecisionPolicy,
-    control: Callable[[], Mapping[str, float]],
+    control: Callable[[], ControlMeasure],
     on_any_rank: Callable[[bool], bool],
+    measure_spread: bool,
 ) -> tuple[list[Finding], list[str], dict[str, str]]:
     """The materialized, boundary, operators and parity findings, the notes, and the dtype each
     parameter was all-gathered in."""
@@ -280,7 +301,9 @@ def _compare_runs(
         expected.probe, observed.probe, None if not policy.cast_forward_inputs else kept
     )
     findings += check_operators(expected.probe, observed.probe, kept)
-    parity, notes = check_parity(observed, expected, control, on_any_rank)
+    parity, notes = check_parity(
+        observed, expected, control, on_any_rank, measure_spread=measure_spread
+    )
     findings += parity
     return findings, notes, seen
 
@@ -320,6 +343,7 @@ def assert_fp32_keep_contract(
     shard: ShardFn = default_shard,
     load: LoadFn = default_load,
     master_dtype: torch.dtype | None = None,
+    measure_spread: bool = False,
 ) -> ContractReport:
     """Check the FP32-keep contract for one model; call it in every rank of ``mesh``.
 
@@ -358,6 +382,17 @@ def assert_fp32_keep_contract(
             keep stored in ``dtype``) or ``torch.float32`` (FP32 master weights: every
             trainable parameter stored in FP32, the policy's ``param_dtype`` casts for compute;
             gradients are expected in FP32). Kept tensors are judged the same way under both.
+        measure_spread: run the parity control, twice, whatever the gradients, and report how
+            far its two runs differ (``docs/contract.md``, "Determinism"); a diagnostic (CI's
+            GPU check), never needed for a verdict: the control runs twice by itself wherever
+            the runs are not known to be deterministic.
+
+    Every forward and backward (the reference's, the implementation's, the control's) runs with
+    ``torch.use_deterministic_algorithms(True, warn_only=True)``, the caller's setting restored
+    after; the operators torch says it has no deterministic implementation of are named in the
+    report's notes, and make the control run twice, each gradient's bound widened by the spread
+    of the two runs. On CUDA set ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` before CUDA starts
+    (``fp32keep check`` does in its ranks).
 
     Every outcome is a verdict: an exception in a step (building the models, the batch, the
     reference's run, ``cast``, ``shard``, ``load`` with the gather back, the model's forward or
@@ -400,6 +435,7 @@ def assert_fp32_keep_contract(
         cast,
         shard,
         load,
+        measure_spread,
     )
     planned = [step for step in STEPS if step != "load" or check_state_dict]
     agreement = Agreement(mesh, planned)

@@ -19,7 +19,7 @@ The argument for why this bound is sound is written down in ``docs/contract.md``
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,11 +30,20 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import fp32keep
 from fp32keep import KeepPlan
 from fp32keep.wrap import hook_called_methods
+from pytest_fp32keep.contract.determinism import second_run_reason
 from pytest_fp32keep.contract.fsdp_state import fsdp_units
+from pytest_fp32keep.contract.parity_policy import ControlMeasure, control_errors, control_spread
 from pytest_fp32keep.contract.reference import seeded
-from pytest_fp32keep.contract.steps import device_of, forward_backward, master_cast
+from pytest_fp32keep.contract.steps import Run, device_of, forward_backward, master_cast
 
-__all__ = ["Unit", "control_gradients", "correct_policy", "sharding_order", "unit_layout"]
+__all__ = [
+    "Unit",
+    "control_run",
+    "correct_policy",
+    "measure_control",
+    "sharding_order",
+    "unit_layout",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +234,7 @@ def _untie_across_units(model: nn.Module, units: tuple[Unit, ...]) -> dict[str, 
     return tie_back
 
 
-def control_gradients(
+def control_run(
     model_factory: Callable[[], nn.Module],
     batch: Any,
     *,
@@ -238,9 +247,10 @@ def control_gradients(
     autocast: bool,
     loss_fn: Callable[[Any], torch.Tensor] | None,
     seed: int,
-) -> Mapping[str, torch.Tensor | None]:
-    """The gradients of the control: the model built under ``seed``, cast the correct way for
-    ``master_dtype``, sharded into ``units`` with :func:`correct_policy`, run on ``batch``."""
+) -> Run:
+    """One run of the control: the model built under ``seed``, cast the correct way for
+    ``master_dtype``, sharded into ``units`` with :func:`correct_policy`, run on ``batch``
+    (deterministic algorithms on, as every run of the contract)."""
     device = device_of(mesh)
     with seeded(seed):
         model = model_factory().to(device)
@@ -249,7 +259,47 @@ def control_gradients(
     else:
         master_cast(model, dtype, plan)
     _shard_like(model, units, mesh=mesh, plan=plan, policy=policy)
-    run = forward_backward(
+    return forward_backward(
         model, batch, autocast=autocast, device=device, dtype=dtype, loss_fn=loss_fn
     )
-    return run.grads
+
+
+def measure_control(
+    run: Callable[[], Run],
+    reference: Run,
+    observed: Run,
+    *,
+    units: tuple[Unit, ...],
+    device: torch.device,
+    measure_spread: bool,
+    on_any_rank: Callable[[bool], bool],
+) -> ControlMeasure:
+    """The control's errors against the ``reference``; and, where the runs are not known to be
+    deterministic (:func:`~.determinism.second_run_reason`: an operator torch could not make
+    deterministic in the reference, the implementation's run or the control's, a run off the
+    CPU, or ``measure_spread``), the spread of a second control run.
+
+    Whether to run again is agreed across the ranks (``on_any_rank``): the control runs FSDP2
+    collectives, so every rank runs it the same number of times.
+    """
+    first = run()
+    alerts = tuple(dict.fromkeys((*reference.alerts, *observed.alerts, *first.alerts)))
+    why = second_run_reason(alerts, device, measure_spread)
+    spread = None
+    if on_any_rank(bool(why)):
+        second = run()
+        spread = control_spread(first.grads, second.grads, reference.grads)
+        why = why or "another rank saw an operator torch could not make deterministic"
+    grouped = [
+        f"{'+'.join(u.modules) or '<root>'}: {u.groups} param groups" for u in units if u.groups > 1
+    ]
+    notes = (
+        (
+            f"{len(grouped)} unit(s) hold several param groups (per-parameter meshes; "
+            f"{', '.join(grouped[:3])}{' …' if len(grouped) > 3 else ''}); the control shards "
+            "each as one group on the contract's mesh",
+        )
+        if grouped
+        else ()
+    )
+    return ControlMeasure(control_errors(first.grads, reference.grads), spread, why, notes)

@@ -35,43 +35,13 @@ from fp32keep.layout import WrapSpec
 from pytest_fp32keep import ContractViolation, assert_fp32_keep_contract
 from pytest_fp32keep.check.zoo import ZOO, available_entries
 from pytest_fp32keep.contract.control import unit_layout
+from tests.contract.wrong import scaled_kept_gradients
 
 AVAILABILITY = available_entries()
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-SCALE = 1 + 2**-10
 WORLD_SIZES = (1, 2, 3, 4, 8)
 #: (zoo model, dtype): the two known false failures (ernie at 3 ranks, gpt_oss fp16 at 8).
 MODELS = (("ernie4_5_moe", "bf16"), ("gpt_oss", "fp16"))
-
-
-def scaled_kept_gradients(
-    model: nn.Module,
-    *,
-    mesh: DeviceMesh,
-    mp_policy: MixedPrecisionPolicy,
-    plan: KeepPlan,
-    wrap: WrapSpec | None,
-) -> None:
-    """fp32keep's wrapping, then every kept parameter's gradient scaled by ``SCALE``."""
-    apply_fsdp2(model, mesh=mesh, mp_policy=mp_policy, plan=plan, wrap=wrap)
-    hooked: set[int] = set()
-
-    def scale(module: nn.Module, args: Any) -> None:
-        # After FSDP2's own pre-forward (registered first, prepended): the module's parameters
-        # are the unsharded leaves whose .grad FSDP2 reduce-scatters after backward.
-        for name, param in module.named_parameters(recurse=False):
-            if param.requires_grad and id(param) not in hooked and _owner(module, name) in plan:
-                hooked.add(id(param))
-                param.register_hook(lambda grad: grad * SCALE)
-
-    names = {id(m): fqn for fqn, m in model.named_modules()}
-
-    def _owner(module: nn.Module, name: str) -> str:
-        fqn = names[id(module)]
-        return f"{fqn}.{name}" if fqn else name
-
-    for module in model.modules():
-        module.register_forward_pre_hook(scale)
 
 
 def bf16_reduction(
