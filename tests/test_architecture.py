@@ -147,7 +147,8 @@ FSDP2_PRIVATE_ATTRIBUTES = frozenset(
 FSDP2_PRIVATE_MODULES = ("torch.distributed.fsdp._", "torch.distributed._composable")
 FSDP2_STATE_READERS = {
     "pytest_fp32keep/contract/fsdp_state.py": "the shim itself",
-    # builds a unit with two param groups: ShardPlacementResult is exported only privately
+    # builds a unit with two param groups (ShardPlacementResult is exported only privately) and
+    # fakes FSDP2's state to test the shim's errors
     "tests/contract/test_fsdp_state.py": "the shim's own tests",
 }
 SCANNED = ("impl", "pytest_fp32keep", "tests", "bench", "examples", "ci", "noxfile.py")

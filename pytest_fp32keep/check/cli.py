@@ -1,8 +1,8 @@
 """``fp32keep check``: run the FP32-keep contract on the zoo or on your models, in N ranks.
 
     fp32keep check [TARGET ...] [--nproc N] [--dtype bf16,fp16] [--context autocast,direct]
-                   [--prefetch] [--master-dtype fp32] [--batch MODULE:FUNCTION] [--report FILE.md]
-                   [--report-json FILE.json] [--timeout SECONDS]
+                   [--prefetch] [--master-dtype fp32] [--measure-spread] [--batch MODULE:FUNCTION]
+                   [--report FILE.md] [--report-json FILE.json] [--timeout SECONDS]
 
 A TARGET is a zoo name (``fp32keep check --list`` shows them) or ``package.module:factory``, a
 zero-argument function returning an ``nn.Module``. ``--family NAME`` (repeatable; a folder under

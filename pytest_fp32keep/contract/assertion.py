@@ -20,7 +20,9 @@ checks every item of the contract in ``shared/docs/design.md``:
   with the implementation's own units, at the same world size, sharded with the correct policy
   (:mod:`.control`) is not bit-identical for that parameter either (averaging over 3 ranks
   rounds; T5's shared position bias makes autograd accumulate in another order) — no further
-  from the reference than the control is (``docs/contract.md`` gives the argument);
+  from the reference than the control is, plus, where a run is not known to be deterministic
+  (:mod:`.determinism`), the spread of two control runs (``docs/contract.md`` gives the
+  argument);
 * ``round trip``: loading a low-precision full state dict and gathering it back is exact, and the
   destination dtype wins for every alias;
 * ``crashed``: no step raised. Each step (build, batch, reference, cast, shard, load, forward,
@@ -280,6 +282,14 @@ class _Steps:
             measure_spread=s.measure_spread,
         )
         self.findings += compared
+        alerts = ", ".join(dict.fromkeys((*expected.alerts, *observed.alerts)))
+        if alerts:
+            notes.append(
+                f"torch has no deterministic implementation of {alerts} (run with "
+                "use_deterministic_algorithms(True, warn_only=True)): the gradients are bounded "
+                "by the spread of two control runs where they are not bit-identical; logits and "
+                "loss must still be"
+            )
         return notes, seen
 
 
