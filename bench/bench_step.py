@@ -217,16 +217,10 @@ class Stepper:
         return float(loss.detach().float().item())
 
     def fsdp_units(self) -> int:
-        """Distinct FSDP states: a grouped unit's modules share one, so count states."""
-        from torch.distributed.fsdp import FSDPModule
+        """FSDP2 units (one per ``fully_shard`` call: a grouped unit's modules count once)."""
+        from pytest_fp32keep.contract.fsdp_state import fsdp_units
 
-        return len(
-            {
-                id(module._get_fsdp_state())
-                for module in self.model.modules()
-                if isinstance(module, FSDPModule)
-            }
-        )
+        return len(fsdp_units(self.model))
 
 
 def _build_arm(arm: str, model_config: Mapping[str, int], mesh: Any) -> Stepper:

@@ -128,3 +128,85 @@ def test_no_module_is_shadowed_by_a_package(folder: Path) -> None:
         str(path) for path in _modules(folder) if (path.with_suffix("") / "__init__.py").exists()
     ]
     assert shadowed == []
+
+
+#: FSDP2's private state, as attributes read off it; ``contract/fsdp_state.py`` is the one
+#: module that may read them (it names each one and the torch releases it was verified on).
+FSDP2_PRIVATE_ATTRIBUTES = frozenset(
+    {
+        "_fsdp_param_group",
+        "_fsdp_param_groups",
+        "_get_fsdp_state",
+        "_lazy_init",
+        "_module_info",
+        "fsdp_params",
+        "mp_policy",
+        "post_forward_mesh_info",
+    }
+)
+FSDP2_PRIVATE_MODULES = ("torch.distributed.fsdp._", "torch.distributed._composable")
+FSDP2_STATE_READERS = {
+    "pytest_fp32keep/contract/fsdp_state.py": "the shim itself",
+    # builds a unit with two param groups (ShardPlacementResult is exported only privately) and
+    # fakes FSDP2's state to test the shim's errors
+    "tests/contract/test_fsdp_state.py": "the shim's own tests",
+}
+SCANNED = ("impl", "pytest_fp32keep", "tests", "bench", "examples", "ci", "noxfile.py")
+
+
+def _fsdp2_private_reads(path: Path) -> list[str]:
+    """``line: what`` for every read of FSDP2's private state in ``path``."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Attribute):
+            if node.attr in FSDP2_PRIVATE_ATTRIBUTES:
+                found.append(f"{node.lineno}: .{node.attr}")
+            elif (
+                node.attr == "state"
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "fully_shard"
+            ):
+                found.append(f"{node.lineno}: fully_shard.state")
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.startswith(FSDP2_PRIVATE_MODULES)
+        ):
+            found.append(f"{node.lineno}: from {node.module} import")
+    return found
+
+
+def test_fsdp2_private_state_is_read_in_one_place() -> None:
+    paths = [
+        path
+        for name in SCANNED
+        for path in ([ROOT / name] if name.endswith(".py") else _modules(ROOT / name))
+    ]
+    offences = {
+        relative: reads
+        for path in paths
+        if (relative := str(path.relative_to(ROOT))) not in FSDP2_STATE_READERS
+        and (reads := _fsdp2_private_reads(path))
+    }
+    assert offences == {}, (
+        "read FSDP2's private state through pytest_fp32keep/contract/fsdp_state.py (or use "
+        f"FSDPModule's public methods): {offences}"
+    )
+
+
+def test_the_private_state_rule_catches_a_read(tmp_path: Path) -> None:
+    """Negative control: the reads the control used to make are all seen."""
+    module = tmp_path / "bad.py"
+    module.write_text(
+        "from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam\n"
+        "group = fully_shard.state(module)._fsdp_param_group\n"
+        "info = group.fsdp_params[0]._module_info\n"
+    )
+    reads = _fsdp2_private_reads(module)
+    assert {read.split(": ")[1] for read in reads} == {
+        "from torch.distributed.fsdp._fully_shard._fsdp_param import",
+        "fully_shard.state",
+        "._fsdp_param_group",
+        ".fsdp_params",
+        "._module_info",
+    }

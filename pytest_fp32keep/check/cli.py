@@ -1,8 +1,8 @@
 """``fp32keep check``: run the FP32-keep contract on the zoo or on your models, in N ranks.
 
     fp32keep check [TARGET ...] [--nproc N] [--dtype bf16,fp16] [--context autocast,direct]
-                   [--prefetch] [--master-dtype fp32] [--batch MODULE:FUNCTION] [--report FILE.md]
-                   [--report-json FILE.json] [--timeout SECONDS]
+                   [--prefetch] [--master-dtype fp32] [--measure-spread] [--batch MODULE:FUNCTION]
+                   [--report FILE.md] [--report-json FILE.json] [--timeout SECONDS]
 
 A TARGET is a zoo name (``fp32keep check --list`` shows them) or ``package.module:factory``, a
 zero-argument function returning an ``nn.Module``. ``--family NAME`` (repeatable; a folder under
@@ -153,6 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="judge FP32 master weights: every trainable parameter stored in FP32, the "
         "policy's param_dtype casts for compute (accelerate, verl, torchtitan); default: "
         "parameters that are not kept stored in --dtype",
+    )
+    check.add_argument(
+        "--measure-spread",
+        action="store_true",
+        help="run the parity control twice on every case and report how far its two runs "
+        "differ (a diagnostic: the control already runs twice wherever a run is not known to "
+        "be deterministic; docs/contract.md)",
     )
     check.add_argument(
         "--batch",
@@ -359,6 +366,7 @@ def check(args: argparse.Namespace, usage_error: UsageError) -> int:
         "autocast": [context == "autocast" for context in args.context],
         "prefetch": [False, True] if args.prefetch else [False],
         "master_dtype": args.master_dtype,
+        "measure_spread": args.measure_spread,
         "progress": progress,
         "width": width,
     }

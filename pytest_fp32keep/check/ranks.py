@@ -51,6 +51,7 @@ from pytest_fp32keep.check.rank_verdicts import merge_case
 from pytest_fp32keep.check.render import progress_line
 from pytest_fp32keep.check.targets import Target, resolve_targets
 from pytest_fp32keep.contract import CHECKS, ContractViolation, assert_fp32_keep_contract
+from pytest_fp32keep.contract.determinism import CUBLAS_DETERMINISTIC_CONFIGS
 from pytest_fp32keep.runner.processes import init_process_group_kwargs
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -107,6 +108,10 @@ def _init() -> str:
     world = int(os.environ["WORLD_SIZE"])
     use_nccl = torch.cuda.is_available() and torch.cuda.device_count() >= world
     if use_nccl:
+        # cuBLAS reads it when it starts (the first matmul): before that, in every rank, so
+        # that the contract's deterministic runs are deterministic in cuBLAS too. A value the
+        # user set is kept (the contract then reports cuBLAS as not deterministic).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_CONFIGS[0])
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     # A short timeout bounds a case that fails on one rank while its peers wait.
     dist.init_process_group(
@@ -124,6 +129,7 @@ def _run_case(
     prefetch: bool,
     device: str,
     master_dtype: str | None = None,
+    measure_spread: bool = False,
 ) -> dict[str, Any]:
     # The same seed before every case on every rank: a --batch function that draws from the
     # global generators builds the same batch in every rank and every run (the model itself is
@@ -151,6 +157,7 @@ def _run_case(
             autocast=autocast,
             forward_prefetch=prefetch,
             master_dtype=MASTER_DTYPES[master_dtype],
+            measure_spread=measure_spread,
         )
     except KeepLayoutError as error:
         case["outcome"] = "refused"
@@ -214,7 +221,14 @@ def main(argv: list[str] | None = None) -> int:
     cases = []
     with ViewWarnings() as recorded:
         for index, run in enumerate(runs, start=1):
-            merged = _gather_case(_run_case(*run, device, spec.get("master_dtype")))
+            merged = _gather_case(
+                _run_case(
+                    *run,
+                    device,
+                    spec.get("master_dtype"),
+                    bool(spec.get("measure_spread")),
+                )
+            )
             if merged is None:
                 continue  # not rank 0: rank 0 holds every rank's account
             cases.append(merged)

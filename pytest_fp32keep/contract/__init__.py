@@ -3,8 +3,10 @@
 It owns the end-to-end check :func:`assert_fp32_keep_contract` (the orchestrator in
 :mod:`.assertion`, the report types in :mod:`.report`, the implementation under test and the
 forward/backward run in :mod:`.steps`, one module per check family under :mod:`.checks`, the
-gradient noise policy in :mod:`.parity_policy`), the dtype recorder :class:`DtypeProbe`
-(:mod:`.probe`) and the unsharded reference model (:mod:`.reference`).
+gradient noise policy in :mod:`.parity_policy`, the parity control in :mod:`.control`, torch's
+deterministic algorithms around every run in :mod:`.determinism`), the dtype recorder
+:class:`DtypeProbe` (:mod:`.probe`), the unsharded reference model (:mod:`.reference`), and the
+one module that reads FSDP2's private state (:mod:`.fsdp_state`).
 
 It runs in whatever process group the caller has set up and may import torch, Transformers and
 :mod:`fp32keep`; it never imports :mod:`pytest_fp32keep.runner` or :mod:`pytest_fp32keep.check`,

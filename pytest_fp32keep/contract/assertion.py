@@ -20,7 +20,9 @@ checks every item of the contract in ``shared/docs/design.md``:
   with the implementation's own units, at the same world size, sharded with the correct policy
   (:mod:`.control`) is not bit-identical for that parameter either (averaging over 3 ranks
   rounds; T5's shared position bias makes autograd accumulate in another order) — no further
-  from the reference than the control is (``docs/contract.md`` gives the argument);
+  from the reference than the control is, plus, where a run is not known to be deterministic
+  (:mod:`.determinism`), the spread of two control runs (``docs/contract.md`` gives the
+  argument);
 * ``round trip``: loading a low-precision full state dict and gathering it back is exact, and the
   destination dtype wins for every alias;
 * ``crashed``: no step raised. Each step (build, batch, reference, cast, shard, load, forward,
@@ -58,9 +60,13 @@ from pytest_fp32keep.contract.checks.boundary import check_boundary, check_opera
 from pytest_fp32keep.contract.checks.parity import check_parity
 from pytest_fp32keep.contract.checks.round_trip import check_round_trip
 from pytest_fp32keep.contract.checks.storage import check_materialized, check_stored
-from pytest_fp32keep.contract.control import control_gradients, unit_layout
-from pytest_fp32keep.contract.master import as_master_grads, validate_master_dtype
-from pytest_fp32keep.contract.parity_policy import control_errors
+from pytest_fp32keep.contract.control import control_run, measure_control, unit_layout
+from pytest_fp32keep.contract.master import (
+    as_master_grads,
+    expected_storage,
+    validate_master_dtype,
+)
+from pytest_fp32keep.contract.parity_policy import ControlMeasure
 from pytest_fp32keep.contract.reference import build_unsharded_reference, seeded
 from pytest_fp32keep.contract.report import ContractReport, ContractViolation, Finding, KeptTensor
 from pytest_fp32keep.contract.steps import (
@@ -138,6 +144,7 @@ class _Setup:
     cast: CastFn
     shard: ShardFn
     load: LoadFn
+    measure_spread: bool
 
 
 @dataclasses.dataclass
@@ -212,13 +219,15 @@ class _Steps:
             self.agreement.step("shard", shard)
             sharded = not self.agreement.crashed or self.agreement.crashes[0].step != "shard"
         checkpoint = m.checkpoint
+        # what the convention stores, from the reference and the plan: never from the model
+        expected = expected_storage(m.reference, m.plan, s.master_dtype)
         if checkpoint is not None and self.agreement.runs("load"):
             trip, _ = self.agreement.step(
-                "load", lambda: check_round_trip(m.model, checkpoint, s.load)
+                "load", lambda: check_round_trip(m.model, checkpoint, s.load, expected)
             )
             self.findings += trip or []
         if sharded:  # at rest after cast, shard and load
-            self.findings += check_stored(m.model, m.reference, m.plan, s.master_dtype)
+            self.findings += check_stored(m.model, expected, m.plan)
 
     def run_model(self) -> None:
         """``forward`` and ``backward`` of the model under test, each its own step."""
@@ -235,11 +244,13 @@ class _Steps:
         if expected is None or observed is None:
             return [], {}
 
-        def control() -> dict[str, float]:
-            grads = control_gradients(
+        def control() -> ControlMeasure:
+            units = unit_layout(m.model)
+            run = functools.partial(
+                control_run,
                 m.factory,
                 self.batch,
-                units=unit_layout(m.model),
+                units=units,
                 mesh=s.mesh,
                 dtype=s.dtype,
                 master_dtype=s.master_dtype,
@@ -249,7 +260,17 @@ class _Steps:
                 loss_fn=s.loss_fn,
                 seed=s.seed,
             )
-            return control_errors(grads, expected.grads)
+            return measure_control(
+                run,
+                expected,
+                observed,
+                units=units,
+                device=m.device,
+                measure_spread=s.measure_spread,
+                on_any_rank=functools.partial(
+                    self.agreement.on_any_rank, "parity control (second run)"
+                ),
+            )
 
         compared, notes, seen = _compare_runs(
             m,
@@ -258,8 +279,17 @@ class _Steps:
             policy=s.policy,
             control=control,
             on_any_rank=functools.partial(self.agreement.on_any_rank, "parity control"),
+            measure_spread=s.measure_spread,
         )
         self.findings += compared
+        alerts = ", ".join(dict.fromkeys((*expected.alerts, *observed.alerts)))
+        if alerts:
+            notes.append(
+                f"torch has no deterministic implementation of {alerts} (run with "
+                "use_deterministic_algorithms(True, warn_only=True)): the gradients are bounded "
+                "by the spread of two control runs where they are not bit-identical; logits and "
+                "loss must still be"
+            )
         return notes, seen
 
 
@@ -269,8 +299,9 @@ def _compare_runs(
     expected: Run,
     *,
     policy: MixedPrecisionPolicy,
-    control: Callable[[], Mapping[str, float]],
+    control: Callable[[], ControlMeasure],
     on_any_rank: Callable[[bool], bool],
+    measure_spread: bool,
 ) -> tuple[list[Finding], list[str], dict[str, str]]:
     """The materialized, boundary, operators and parity findings, the notes, and the dtype each
     parameter was all-gathered in."""
@@ -280,7 +311,9 @@ def _compare_runs(
         expected.probe, observed.probe, None if not policy.cast_forward_inputs else kept
     )
     findings += check_operators(expected.probe, observed.probe, kept)
-    parity, notes = check_parity(observed, expected, control, on_any_rank)
+    parity, notes = check_parity(
+        observed, expected, control, on_any_rank, measure_spread=measure_spread
+    )
     findings += parity
     return findings, notes, seen
 
@@ -320,6 +353,7 @@ def assert_fp32_keep_contract(
     shard: ShardFn = default_shard,
     load: LoadFn = default_load,
     master_dtype: torch.dtype | None = None,
+    measure_spread: bool = False,
 ) -> ContractReport:
     """Check the FP32-keep contract for one model; call it in every rank of ``mesh``.
 
@@ -358,6 +392,17 @@ def assert_fp32_keep_contract(
             keep stored in ``dtype``) or ``torch.float32`` (FP32 master weights: every
             trainable parameter stored in FP32, the policy's ``param_dtype`` casts for compute;
             gradients are expected in FP32). Kept tensors are judged the same way under both.
+        measure_spread: run the parity control, twice, whatever the gradients, and report how
+            far its two runs differ (``docs/contract.md``, "Determinism"); a diagnostic (CI's
+            GPU check), never needed for a verdict: the control runs twice by itself wherever
+            the runs are not known to be deterministic.
+
+    Every forward and backward (the reference's, the implementation's, the control's) runs with
+    ``torch.use_deterministic_algorithms(True, warn_only=True)``, the caller's setting restored
+    after; the operators torch says it has no deterministic implementation of are named in the
+    report's notes, and make the control run twice, each gradient's bound widened by the spread
+    of the two runs. On CUDA set ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` before CUDA starts
+    (``fp32keep check`` does in its ranks).
 
     Every outcome is a verdict: an exception in a step (building the models, the batch, the
     reference's run, ``cast``, ``shard``, ``load`` with the gather back, the model's forward or
@@ -400,6 +445,7 @@ def assert_fp32_keep_contract(
         cast,
         shard,
         load,
+        measure_spread,
     )
     planned = [step for step in STEPS if step != "load" or check_state_dict]
     agreement = Agreement(mesh, planned)

@@ -19,21 +19,31 @@ The argument for why this bound is sound is written down in ``docs/contract.md``
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fp32keep
 from fp32keep import KeepPlan
 from fp32keep.wrap import hook_called_methods
+from pytest_fp32keep.contract.determinism import second_run_reason
+from pytest_fp32keep.contract.fsdp_state import fsdp_units
+from pytest_fp32keep.contract.parity_policy import ControlMeasure, control_errors, control_spread
 from pytest_fp32keep.contract.reference import seeded
-from pytest_fp32keep.contract.steps import device_of, forward_backward, master_cast
+from pytest_fp32keep.contract.steps import Run, device_of, forward_backward, master_cast
 
-__all__ = ["Unit", "control_gradients", "correct_policy", "sharding_order", "unit_layout"]
+__all__ = [
+    "Unit",
+    "control_run",
+    "correct_policy",
+    "measure_control",
+    "sharding_order",
+    "unit_layout",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +60,10 @@ class Unit:
     """Where the call found its parameters: ``module.name`` of each attribute it manages. Two
     units can hold the same tied parameter in different attributes (Transformers unties, shards,
     and ties again), which ``params`` (every name of each parameter) cannot tell apart."""
+    groups: int = 1
+    """How many FSDP2 param groups the call made (more than one: a ``shard_placement_fn`` put
+    parameters on other process groups). The control shards the unit as one group on the
+    contract's mesh."""
 
     def inside(self, other: Unit) -> bool:
         """Whether a module of this unit sits strictly inside a module of ``other``."""
@@ -71,34 +85,31 @@ def _param_fqns(model: nn.Module) -> dict[int, list[str]]:
 def unit_layout(model: nn.Module) -> tuple[Unit, ...]:
     """The FSDP2 units of ``model`` (sharded by anyone), one per ``fully_shard`` call.
 
-    Reads FSDP2's per-module state (``fully_shard.state``), which is not public API but has kept
-    its shape since torch 2.6: the modules of the call (``_modules``) and its parameter group.
+    torch has no public API that lists what a unit holds; the reads of FSDP2's private state
+    live in :mod:`.fsdp_state` (every attribute named, the torch releases verified, a clear
+    :class:`~.fsdp_state.FsdpStateError` when torch changes them). A call whose parameters
+    FSDP2 split into several param groups (per-parameter meshes) is one unit holding all of
+    them; :attr:`Unit.groups` says how many.
     """
     fqn_of = {id(module): fqn for fqn, module in model.named_modules(remove_duplicate=False)}
     names = _param_fqns(model)
     units: list[Unit] = []
-    seen: set[int] = set()
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        state: Any = fully_shard.state(module)  # type: ignore[attr-defined]
-        if id(state) in seen:
-            continue  # a grouped call: every module of the group shares one state
-        seen.add(id(state))
-        group = state._fsdp_param_group
+    for view in fsdp_units(model):
         params: set[str] = set()
         slots: set[str] = set()
-        for fsdp_param in group.fsdp_params if group is not None else ():
-            info = fsdp_param._module_info
-            params.update(names.get(id(getattr(info.module, info.param_name)), []))
-            owners = (
-                (info.module, info.param_name),
-                *zip(info.shared_modules, info.shared_param_names, strict=True),
+        for managed in view.params:
+            params.update(names.get(id(managed.parameter), []))
+            slots.update(_joined(fqn_of[id(owner)], name) for owner, name in managed.attributes)
+        modules = tuple(fqn_of[id(m)] for m in view.modules)
+        units.append(
+            Unit(
+                modules,
+                frozenset(params),
+                view.reshards_after_forward,
+                frozenset(slots),
+                groups=len(view.groups),
             )
-            slots.update(_joined(fqn_of[id(owner)], name) for owner, name in owners)
-        modules = tuple(fqn_of[id(m)] for m in state._modules)
-        reshard = group is None or group.post_forward_mesh_info is not None
-        units.append(Unit(modules, frozenset(params), reshard, frozenset(slots)))
+        )
     return tuple(units)
 
 
@@ -223,7 +234,7 @@ def _untie_across_units(model: nn.Module, units: tuple[Unit, ...]) -> dict[str, 
     return tie_back
 
 
-def control_gradients(
+def control_run(
     model_factory: Callable[[], nn.Module],
     batch: Any,
     *,
@@ -236,9 +247,10 @@ def control_gradients(
     autocast: bool,
     loss_fn: Callable[[Any], torch.Tensor] | None,
     seed: int,
-) -> Mapping[str, torch.Tensor | None]:
-    """The gradients of the control: the model built under ``seed``, cast the correct way for
-    ``master_dtype``, sharded into ``units`` with :func:`correct_policy`, run on ``batch``."""
+) -> Run:
+    """One run of the control: the model built under ``seed``, cast the correct way for
+    ``master_dtype``, sharded into ``units`` with :func:`correct_policy`, run on ``batch``
+    (deterministic algorithms on, as every run of the contract)."""
     device = device_of(mesh)
     with seeded(seed):
         model = model_factory().to(device)
@@ -247,7 +259,47 @@ def control_gradients(
     else:
         master_cast(model, dtype, plan)
     _shard_like(model, units, mesh=mesh, plan=plan, policy=policy)
-    run = forward_backward(
+    return forward_backward(
         model, batch, autocast=autocast, device=device, dtype=dtype, loss_fn=loss_fn
     )
-    return run.grads
+
+
+def measure_control(
+    run: Callable[[], Run],
+    reference: Run,
+    observed: Run,
+    *,
+    units: tuple[Unit, ...],
+    device: torch.device,
+    measure_spread: bool,
+    on_any_rank: Callable[[bool], bool],
+) -> ControlMeasure:
+    """The control's errors against the ``reference``; and, where the runs are not known to be
+    deterministic (:func:`~.determinism.second_run_reason`: an operator torch could not make
+    deterministic in the reference, the implementation's run or the control's, a run off the
+    CPU, or ``measure_spread``), the spread of a second control run.
+
+    Whether to run again is agreed across the ranks (``on_any_rank``): the control runs FSDP2
+    collectives, so every rank runs it the same number of times.
+    """
+    first = run()
+    alerts = tuple(dict.fromkeys((*reference.alerts, *observed.alerts, *first.alerts)))
+    why = second_run_reason(alerts, device, measure_spread)
+    spread = None
+    if on_any_rank(bool(why)):
+        second = run()
+        spread = control_spread(first.grads, second.grads, reference.grads)
+        why = why or "another rank saw an operator torch could not make deterministic"
+    grouped = [
+        f"{'+'.join(u.modules) or '<root>'}: {u.groups} param groups" for u in units if u.groups > 1
+    ]
+    notes = (
+        (
+            f"{len(grouped)} unit(s) hold several param groups (per-parameter meshes; "
+            f"{', '.join(grouped[:3])}{' …' if len(grouped) > 3 else ''}); the control shards "
+            "each as one group on the contract's mesh",
+        )
+        if grouped
+        else ()
+    )
+    return ControlMeasure(control_errors(first.grads, reference.grads), spread, why, notes)

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 import fp32keep
 from fp32keep import KeepPlan
 from fp32keep.layout import WrapSpec
+from pytest_fp32keep.contract.determinism import cublas_alert, deterministic
 from pytest_fp32keep.contract.probe import DtypeProbe
 
 # --- the implementation under test -----------------------------------------------------------
@@ -192,12 +193,14 @@ def _logits_and_loss(
 
 @dataclasses.dataclass
 class Run:
-    """What one forward and backward produced, and the dtypes it recorded."""
+    """What one forward and backward produced, the dtypes it recorded, and the operators torch
+    said it has no deterministic implementation of (:mod:`.determinism`)."""
 
     logits: torch.Tensor
     loss: torch.Tensor
     grads: dict[str, torch.Tensor | None]
     probe: DtypeProbe
+    alerts: tuple[str, ...] = ()
 
 
 class Pass:
@@ -205,7 +208,9 @@ class Pass:
 
     The contract agrees across ranks between :meth:`forward` and :meth:`backward`, so that a
     crash in either is named as that step. The probe stays attached from the start of the
-    forward to the end of the backward (or to the crash that ends either).
+    forward to the end of the backward (or to the crash that ends either). Both run with
+    torch's deterministic algorithms on (:func:`~.determinism.deterministic`), the caller's
+    setting restored after each.
     """
 
     def __init__(
@@ -223,12 +228,19 @@ class Pass:
         self.probe = DtypeProbe(model, record_grads=False)
         self._logits: torch.Tensor | None = None
         self._loss: torch.Tensor | None = None
+        self._alerts: list[str] = []
+        alert = cublas_alert(device)
+        if alert is not None:
+            self._alerts.append(alert)
 
     def forward(self) -> None:
         """Run the forward and compute the loss (the probe attached)."""
         self.probe.attach()
         try:
-            with _context(self._autocast, self._device, self._dtype):
+            with (
+                deterministic(self._alerts),
+                _context(self._autocast, self._device, self._dtype),
+            ):
                 output = _call(self.model, self.batch)
                 self._logits, self._loss = _logits_and_loss(output, self._loss_fn)
         except BaseException:
@@ -240,14 +252,17 @@ class Pass:
         if self._logits is None or self._loss is None:
             raise RuntimeError("Pass.backward() before a forward() that completed")
         try:
-            self._loss.backward()  # type: ignore[no-untyped-call]
+            with deterministic(self._alerts):
+                self._loss.backward()  # type: ignore[no-untyped-call]
         finally:
             self.probe.detach()
         grads = {
             name: (None if param.grad is None else full(param.grad).detach())
             for name, param in self.model.named_parameters()
         }
-        return Run(self._logits.detach(), self._loss.detach(), grads, self.probe)
+        return Run(
+            self._logits.detach(), self._loss.detach(), grads, self.probe, tuple(self._alerts)
+        )
 
 
 def forward_backward(

@@ -97,6 +97,11 @@ def test_master_gradients_are_the_reference_gradients_upcast_except_kept_ones() 
     assert master["layers.1.attn.weight"] is None
 
 
+def test_cli_measure_spread_option() -> None:
+    assert build_parser().parse_args(["check", "ernie4_5_moe", "--measure-spread"]).measure_spread
+    assert not build_parser().parse_args(["check"]).measure_spread
+
+
 def test_cli_master_dtype_option() -> None:
     args = build_parser().parse_args(["check", "t5", "--master-dtype", "fp32"])
     assert MASTER_DTYPES[args.master_dtype] is FP32

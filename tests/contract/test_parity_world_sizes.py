@@ -20,54 +20,27 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
+import fp32keep.wrap
 from fp32keep import KeepPlan, apply_fsdp2
 from fp32keep.layout import WrapSpec
 from pytest_fp32keep import ContractViolation, assert_fp32_keep_contract
 from pytest_fp32keep.check.zoo import ZOO, available_entries
+from pytest_fp32keep.contract.control import unit_layout
+from tests.contract.wrong import scaled_kept_gradients
 
 AVAILABILITY = available_entries()
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-SCALE = 1 + 2**-10
 WORLD_SIZES = (1, 2, 3, 4, 8)
 #: (zoo model, dtype): the two known false failures (ernie at 3 ranks, gpt_oss fp16 at 8).
 MODELS = (("ernie4_5_moe", "bf16"), ("gpt_oss", "fp16"))
-
-
-def scaled_kept_gradients(
-    model: nn.Module,
-    *,
-    mesh: DeviceMesh,
-    mp_policy: MixedPrecisionPolicy,
-    plan: KeepPlan,
-    wrap: WrapSpec | None,
-) -> None:
-    """fp32keep's wrapping, then every kept parameter's gradient scaled by ``SCALE``."""
-    apply_fsdp2(model, mesh=mesh, mp_policy=mp_policy, plan=plan, wrap=wrap)
-    hooked: set[int] = set()
-
-    def scale(module: nn.Module, args: Any) -> None:
-        # After FSDP2's own pre-forward (registered first, prepended): the module's parameters
-        # are the unsharded leaves whose .grad FSDP2 reduce-scatters after backward.
-        for name, param in module.named_parameters(recurse=False):
-            if param.requires_grad and id(param) not in hooked and _owner(module, name) in plan:
-                hooked.add(id(param))
-                param.register_hook(lambda grad: grad * SCALE)
-
-    names = {id(m): fqn for fqn, m in model.named_modules()}
-
-    def _owner(module: nn.Module, name: str) -> str:
-        fqn = names[id(module)]
-        return f"{fqn}.{name}" if fqn else name
-
-    for module in model.modules():
-        module.register_forward_pre_hook(scale)
 
 
 def bf16_reduction(
@@ -78,29 +51,22 @@ def bf16_reduction(
     plan: KeepPlan,
     wrap: WrapSpec | None,
 ) -> None:
-    """fp32keep's wrapping, then every kept unit made to reduce its FP32 gradients in bf16
-    although the caller's policy says FP32.
+    """fp32keep's layout and wrapping, with every kept unit's policy made to reduce its FP32
+    gradients in bf16 although the caller's policy says FP32: ``apply_fsdp2`` with its kept-unit
+    policy (``fp32keep.wrap.kept_unit_policy``) swapped for a wrong one, so each kept unit is
+    sharded ``fully_shard(kept, mp_policy=...(reduce_dtype=bf16))`` on exactly fp32keep's layout
+    (public torch API only; FSDP2 itself is not touched)."""
+    correct = fp32keep.wrap.kept_unit_policy
+    calls: list[MixedPrecisionPolicy] = []
 
-    FSDP2 reads a unit's policy into its parameters' dtypes at lazy init (the first forward), so
-    setting the unit's policy here is what ``fully_shard(kept, mp_policy=...(reduce_dtype=bf16))``
-    would have done, on exactly fp32keep's layout.
-    """
-    apply_fsdp2(model, mesh=mesh, mp_policy=mp_policy, plan=plan, wrap=wrap)
-    kept_units = 0
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        group = fully_shard.state(module)._fsdp_param_group  # type: ignore[attr-defined]
-        params = [] if group is None else group.fsdp_params
-        owners = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-        names = [
-            owners.get(id(getattr(p._module_info.module, p._module_info.param_name)), "?")
-            for p in params
-        ]
-        if names and all(name in plan for name in names):
-            group.mp_policy = dataclasses.replace(group.mp_policy, reduce_dtype=torch.bfloat16)
-            kept_units += 1
-    assert kept_units, "the negative control found no kept unit to break"
+    def reducing_in_bf16(policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
+        calls.append(policy)
+        return dataclasses.replace(correct(policy), reduce_dtype=torch.bfloat16)
+
+    with mock.patch.object(fp32keep.wrap, "kept_unit_policy", reducing_in_bf16):
+        apply_fsdp2(model, mesh=mesh, mp_policy=mp_policy, plan=plan, wrap=wrap)
+    kept_units = [u for u in unit_layout(model) if u.params and all(n in plan for n in u.params)]
+    assert calls and kept_units, "the negative control found no kept unit to break"
 
 
 IMPLEMENTATIONS: dict[str, Callable[..., None] | None] = {

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import fp32keep
@@ -138,9 +138,15 @@ def _setattr_after_lazy_init(
 ) -> None:
     """A wrong loader, as Transformers' is: FSDP2's lazy init has run (it runs at the first
     forward), then every parameter is replaced by a new one holding the loaded values, which
-    FSDP2 never all-gathers: it keeps computing with the shards it made at ``fully_shard``."""
+    FSDP2 never all-gathers: it keeps computing with the shards it made at ``fully_shard``.
+
+    The lazy init is made to run through public API: ``FSDPModule.unshard`` initialises each
+    unit's parameter group (where FSDP2 adopts the module's current parameters as its shards),
+    ``reshard`` frees the gathered copies again."""
     assert isinstance(model, FSDPModule)
-    fully_shard.state(model)._lazy_init()  # type: ignore[attr-defined]
+    for unit in [m for m in model.modules() if isinstance(m, FSDPModule)]:
+        unit.unshard()
+        unit.reshard()
     full = _full_dict(state_dict)
     for fqn, module in model.named_modules():
         for name, old in list(module.named_parameters(recurse=False)):

@@ -28,6 +28,7 @@ from examples.frameworks.transformers_fsdp2 import (
     transformers_shard,
 )
 from pytest_fp32keep.check.zoo import ZOO
+from pytest_fp32keep.contract.fsdp_state import unit_of
 
 pytestmark = pytest.mark.slow  # breadth at pinned versions (conftest.py)
 
@@ -37,8 +38,8 @@ def layout(model: nn.Module) -> dict[str, Any]:
     units = {}
     for name, module in model.named_modules():
         if isinstance(module, FSDPModule):
-            group = module._get_fsdp_state()._fsdp_param_group  # type: ignore[attr-defined]
-            units[name or "<root>"] = None if group is None else str(group.mp_policy.param_dtype)
+            policy = unit_of(module).policy
+            units[name or "<root>"] = None if policy is None else str(policy.param_dtype)
     params = {
         name: (type(p.data).__name__, str(getattr(p, "_local_tensor", p).dtype))
         for name, p in model.named_parameters()

@@ -9,6 +9,8 @@ stored in bf16 (``stored``) and kept parameters all-gathered in bf16 (``material
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -17,7 +19,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fp32keep
 from fp32keep import KeepPlan
-from pytest_fp32keep import ContractViolation, assert_fp32_keep_contract
+from pytest_fp32keep import ContractReport, ContractViolation, assert_fp32_keep_contract
+from pytest_fp32keep.check.zoo import ZOO, available_entries
 from tests.core.toys import stack_class
 
 pytestmark = pytest.mark.fsdp2  # every test runs in the ranks (2 by default)
@@ -37,6 +40,11 @@ def fp32_master(model: nn.Module, dtype: torch.dtype, plan: KeepPlan) -> None:
     """fp32keep's keep-aware cast, then its accelerate-style FP32 master upcast."""
     fp32keep.keep_aware_cast(model, dtype, plan=plan)
     fp32keep.upcast_to_fp32_master(model)
+
+
+def keep_aware_only(model: nn.Module, dtype: torch.dtype, plan: KeepPlan) -> None:
+    """The known-wrong cast under FP32 master weights: what the plan does not keep stays bf16."""
+    fp32keep.keep_aware_cast(model, dtype, plan=plan)
 
 
 def one_policy_per_block(
@@ -80,9 +88,6 @@ def test_upcast_to_fp32_master_passes_only_under_the_master_convention(mesh: Dev
 
 
 def test_non_kept_parameters_in_bf16_fail_stored_under_master_weights(mesh: DeviceMesh) -> None:
-    def keep_aware_only(model: nn.Module, dtype: torch.dtype, plan: KeepPlan) -> None:
-        fp32keep.keep_aware_cast(model, dtype, plan=plan)
-
     with pytest.raises(ContractViolation) as error:
         assert_fp32_keep_contract(
             factory, batch, mesh=mesh, dtype=BF16, cast=keep_aware_only, master_dtype=FP32
@@ -92,6 +97,46 @@ def test_non_kept_parameters_in_bf16_fail_stored_under_master_weights(mesh: Devi
     assert stored["embed.weight"] == ("float32", "bfloat16")
     assert stored["layers.0.attn.weight"] == ("float32", "bfloat16")
     assert not any(name in stored for name in ("norm.weight", "layers.0.wo.weight"))  # kept: ok
+    # the round trip's destination is the convention's FP32 master, not the model's own bf16
+    trip = {f.subject: (f.expected, f.observed) for f in report.failures if f.check == "round trip"}
+    assert trip["embed.weight"] == ("float32", "bfloat16")
+    assert "layers.0.wo.weight" not in trip
+
+
+@pytest.mark.skipif(
+    "ernie4_5_moe" in available_entries(["ernie4_5_moe"]).unavailable,
+    reason="Ernie4.5-MoE is not in the installed Transformers",
+)
+def test_ernie_master_weights_are_judged_by_the_convention(mesh: DeviceMesh) -> None:
+    """The real Ernie4.5-MoE (bf16): its trainable parameters left in bf16 fail ``stored`` and
+    ``round trip``, each named with FP32 expected; upcast to FP32 masters it passes."""
+    entry = ZOO["ernie4_5_moe"]
+
+    def check(cast: Callable[[nn.Module, torch.dtype, KeepPlan], None]) -> ContractReport:
+        return assert_fp32_keep_contract(
+            entry.build,
+            lambda model: entry.make_batch(model, 0),
+            mesh=mesh,
+            dtype=BF16,
+            autocast=True,
+            cast=cast,
+            master_dtype=FP32,
+        )
+
+    with pytest.raises(ContractViolation) as error:
+        check(keep_aware_only)
+    failures = error.value.report.failures
+    for row in ("stored", "round trip"):
+        found = {f.subject: (f.expected, f.observed) for f in failures if f.check == row}
+        for name in (
+            "model.embed_tokens.weight",
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.1.mlp.experts.gate_up_proj",
+            "model.norm.weight",
+        ):
+            assert found.get(name) == ("float32", "bfloat16"), (row, name)
+        assert not any(".mlp.gate." in name for name in found), row  # kept: FP32, right
+    assert check(fp32_master).ok
 
 
 def test_kept_parameters_gathered_in_bf16_fail_materialized_under_master_weights(

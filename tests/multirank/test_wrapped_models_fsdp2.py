@@ -38,6 +38,7 @@ from pytest_fp32keep import ContractViolation, assert_fp32_keep_contract
 from pytest_fp32keep.check.zoo import ZOO
 from pytest_fp32keep.check.zoo.batches import causal_lm_batch
 from pytest_fp32keep.contract.control import unit_layout
+from pytest_fp32keep.contract.fsdp_state import unit_of
 from tests.zoo_entries import available_or_skip
 
 pytestmark = pytest.mark.fsdp2
@@ -232,9 +233,8 @@ def gathered_when_first_runs(model: nn.Module, attentions: Mapping[str, Any]) ->
 
 def fsdp_policy(module: nn.Module) -> MixedPrecisionPolicy:
     """The policy ``fully_shard`` gave ``module``'s unit (FSDP2's state, as ``unit_layout``)."""
-    group = fully_shard.state(module)._fsdp_param_group  # type: ignore[attr-defined]
-    assert group is not None
-    policy: MixedPrecisionPolicy = group.mp_policy
+    policy = unit_of(module).policy
+    assert policy is not None
     return policy
 
 

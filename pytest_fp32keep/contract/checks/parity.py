@@ -3,16 +3,21 @@
 Logits and loss must be bit-identical. Each gradient must be too, unless the control (the
 implementation's own units at the same world size, sharded with the correct policy:
 :mod:`pytest_fp32keep.contract.control`) is not bit-identical for that parameter either: then it
-may be as far off as the control is (:mod:`pytest_fp32keep.contract.parity_policy`).
+may be as far off as the control is, plus, where the runs are not known to be deterministic, as
+far as two control runs differ (:mod:`pytest_fp32keep.contract.parity_policy`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
 
-from pytest_fp32keep.contract.parity_policy import gradient_bounds, relative_error
+from pytest_fp32keep.contract.parity_policy import (
+    ControlMeasure,
+    gradient_bounds,
+    relative_error,
+)
 from pytest_fp32keep.contract.probe import dtype_name
 from pytest_fp32keep.contract.report import Finding
 from pytest_fp32keep.contract.steps import Run
@@ -67,32 +72,36 @@ def _exact(observed: Run, reference: Run) -> tuple[list[Finding], list[str]]:
 def check_parity(
     observed: Run,
     reference: Run,
-    control: Callable[[], Mapping[str, float]],
+    control: Callable[[], ControlMeasure],
     on_any_rank: Callable[[bool], bool] = bool,
+    *,
+    measure_spread: bool = False,
 ) -> tuple[list[Finding], list[str]]:
-    """Compare the two runs; ``control`` is called only if some gradient is not bit-identical.
+    """Compare the two runs; ``control`` is called only if some gradient is not bit-identical
+    (or ``measure_spread`` asks for it whatever the gradients).
 
-    ``control`` returns the control's relative error per gradient (see
-    :func:`~pytest_fp32keep.contract.parity_policy.control_errors`); if it raises, the error is
-    reported as a finding, not raised. The control runs FSDP2 collectives, so whether to run it
-    is decided by ``on_any_rank(this rank has a gradient that is not bit-identical)``, the same
-    answer on every rank (:meth:`~pytest_fp32keep.contract.verdicts.Agreement.on_any_rank`):
-    a rank whose gradients are all exact still runs the control with its peers, and ignores it.
+    ``control`` returns what the control measured (its error per gradient, and the spread of
+    its two runs where it ran twice: :class:`~pytest_fp32keep.contract.parity_policy.
+    ControlMeasure`); if it raises, the error is reported as a finding, not raised. The control
+    runs FSDP2 collectives, so whether to run it is decided by ``on_any_rank(this rank has a
+    gradient that is not bit-identical)``, the same answer on every rank
+    (:meth:`~pytest_fp32keep.contract.verdicts.Agreement.on_any_rank`): a rank whose gradients
+    are all exact still runs the control with its peers, and ignores it.
 
     Returns:
         the findings and the notes for the report.
     """
     findings, off = _exact(observed, reference)
-    anywhere = on_any_rank(bool(off))
-    measured: Mapping[str, float] | str = {}
+    anywhere = on_any_rank(bool(off) or measure_spread)
+    measured: ControlMeasure | str = ControlMeasure({})
     if anywhere:
         try:
             measured = control()
         except Exception as exc:  # a diagnostic: its failure is reported, not raised
             measured = f"{type(exc).__name__}: {exc}"
-    if not off:
+    if not off:  # the control, if it ran, was for a peer or for measure_spread: notes only
         findings.append(Finding("parity", "every gradient", "bit-identical", "bit-identical", True))
-        return findings, []
+        return findings, gradient_bounds(measured)[2] if measure_spread else []
     bounds, control_findings, notes = gradient_bounds(measured)
     findings += control_findings
     errors = {
@@ -103,15 +112,18 @@ def check_parity(
         f"{len(off)} gradient(s) not bit-identical: at most {max(errors.values()):.3g} "
         "(relative to the gradient's scale) from the reference"
     )
+    spread = measured.spread if isinstance(measured, ControlMeasure) else None
     for name, error in errors.items():
         bound = bounds.get(name, 0.0)
+        widened = (spread or {}).get(name, 0.0) if bound else 0.0
+        expected = (
+            "bit-identical (control)"
+            if not bound
+            else f"<= {bound:.3g} relative (control {bound - widened:.3g} + spread {widened:.3g})"
+            if widened
+            else f"<= {bound:.3g} relative (control)"
+        )
         findings.append(
-            Finding(
-                "parity",
-                f"grad {name}",
-                f"<= {bound:.3g} relative (control)" if bound else "bit-identical (control)",
-                f"{error:.3g} relative",
-                error <= bound,
-            )
+            Finding("parity", f"grad {name}", expected, f"{error:.3g} relative", error <= bound)
         )
     return findings, notes

@@ -15,16 +15,28 @@ from pytest_fp32keep.contract.steps import LoadFn, local
 
 
 def check_round_trip(
-    model: nn.Module, checkpoint: Mapping[str, torch.Tensor], load: LoadFn
+    model: nn.Module,
+    checkpoint: Mapping[str, torch.Tensor],
+    load: LoadFn,
+    expected: Mapping[str, torch.dtype],
 ) -> list[Finding]:
     """Load a fresh copy of ``checkpoint`` with ``load``, gather it back: exact, in each
-    destination dtype (kept tensors arrive in the low-precision dtype and must land in FP32).
+    destination dtype (kept tensors arrive in the low-precision dtype and must land in FP32;
+    under FP32 master weights every trainable parameter too).
+
+    The destination dtype of each entry is the storage convention's (``expected``:
+    :func:`~pytest_fp32keep.contract.master.expected_storage`), never the dtype the
+    implementation under test happens to store it in: a model cast wrong would otherwise be
+    judged by its own mistake. An entry the convention does not know (an integer buffer, a
+    tensor the implementation added) keeps the model's dtype.
 
     ``load`` gets a copy made for it alone (rank 0; ``None`` elsewhere), never read again: a
     loader may rewrite the mapping it is given (torch DCP's ``set_model_state_dict`` with
     ``broadcast_from_rank0=True`` puts DTensors in it). ``checkpoint`` itself is only read.
     """
-    destination = {name: local(t).dtype for name, t in model.state_dict().items()}
+    destination = {
+        name: expected.get(name, local(t).dtype) for name, t in model.state_dict().items()
+    }
     handed = {name: t.clone() for name, t in checkpoint.items()} if dist.get_rank() == 0 else None
     load(model, handed)
     del handed
@@ -35,8 +47,8 @@ def check_round_trip(
         if got is None:
             findings.append(Finding("round trip", name, dtype_name(want_dtype), "missing", False))
             continue
-        expected = checkpoint[name].to(want_dtype)
-        exact = got.dtype == want_dtype and torch.equal(got.cpu(), expected.cpu())
+        want = checkpoint[name].to(want_dtype)
+        exact = got.dtype == want_dtype and torch.equal(got.cpu(), want.cpu())
         observed = dtype_name(got.dtype) + (
             "" if exact or got.dtype != want_dtype else " (values differ)"
         )

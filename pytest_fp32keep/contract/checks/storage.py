@@ -2,25 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fp32keep import KeepPlan
-from pytest_fp32keep.contract.master import expected_storage
 from pytest_fp32keep.contract.probe import DtypeProbe, dtype_name
 from pytest_fp32keep.contract.report import Finding
 from pytest_fp32keep.contract.steps import local
 
 
 def check_stored(
-    model: nn.Module, reference: nn.Module, plan: KeepPlan, master_dtype: torch.dtype | None = None
+    model: nn.Module, expected: Mapping[str, torch.dtype], plan: KeepPlan
 ) -> list[Finding]:
-    """Kept tensors' local shards (and buffers) are FP32; the rest as the storage convention
-    (:mod:`~pytest_fp32keep.contract.master`) says: as the reference stores them, or trainable
-    parameters in ``master_dtype``."""
+    """Every floating parameter's local shard and buffer of ``model`` is stored as ``expected``
+    says (:func:`~pytest_fp32keep.contract.master.expected_storage`: kept tensors FP32, the rest
+    as the storage convention prescribes, read off the reference and the plan, never off the
+    model under test); a floating tensor the convention does not know is a failing finding."""
     findings: list[Finding] = []
-    expected = expected_storage(reference, plan, master_dtype)
     observed: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     observed.update(model.named_buffers(remove_duplicate=False))
     for name, tensor in observed.items():
