@@ -69,12 +69,12 @@ from pytest_fp32keep.contract.steps import (
     Pass,
     Run,
     ShardFn,
+    accepts_observed,
     default_cast,
     default_load,
     default_shard,
     describe_context,
     device_of,
-    forward_backward,
     master_cast,
     set_prefetch,
     to_device,
@@ -151,6 +151,7 @@ class _Steps:
     batch: Any = None
     expected: Run | None = None
     observed: Run | None = None
+    used: fp32keep.ParameterUse | None = None  # what the reference's forward used, and where
 
     def _pass(self, model: nn.Module) -> Pass:
         s = self.setup
@@ -176,21 +177,20 @@ class _Steps:
             raise ValueError(problem)
 
     def run_reference(self) -> None:
-        """``reference``: the reference's forward and backward (the gradients as masters)."""
+        """``reference``: the reference's forward and backward (the gradients as masters), its
+        forward observed (``used``): which module calls and methods use each parameter, for
+        the implementation's layout and the control's."""
         if not self.agreement.runs("reference"):
             return
-        s, m = self.setup, self.models
-        expected, _ = self.agreement.step(
-            "reference",
-            lambda: forward_backward(
-                m.reference,
-                self.batch,
-                autocast=s.autocast,
-                device=m.device,
-                dtype=s.dtype,
-                loss_fn=s.loss_fn,
-            ),
-        )
+        reference = self._pass(self.models.reference)
+
+        def run() -> Run:
+            with fp32keep.observe_parameter_use(self.models.reference) as used:
+                reference.forward()
+            self.used = used
+            return reference.backward()
+
+        expected, _ = self.agreement.step("reference", run)
         if expected is not None:
             expected.grads = as_master_grads(
                 expected.grads, self.models.plan, self.setup.master_dtype
@@ -206,7 +206,10 @@ class _Steps:
         if self.agreement.runs("shard"):
 
             def shard() -> None:
-                s.shard(m.model, mesh=s.mesh, mp_policy=s.policy, plan=m.plan, wrap=s.wrap)
+                observed = {"observed": self.used} if accepts_observed(s.shard) else {}
+                s.shard(
+                    m.model, mesh=s.mesh, mp_policy=s.policy, plan=m.plan, wrap=s.wrap, **observed
+                )
                 set_prefetch(m.model, s.forward_prefetch)
 
             self.agreement.step("shard", shard)
@@ -248,6 +251,7 @@ class _Steps:
                 autocast=s.autocast,
                 loss_fn=s.loss_fn,
                 seed=s.seed,
+                observed=self.used,
             )
             return control_errors(grads, expected.grads)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
@@ -36,7 +37,12 @@ class CastFn(Protocol):
 
 
 class ShardFn(Protocol):
-    """Shards a model with FSDP2 in place (the default: :func:`fp32keep.apply_fsdp2`)."""
+    """Shards a model with FSDP2 in place (the default: :func:`fp32keep.apply_fsdp2`).
+
+    A function that also takes an ``observed`` keyword gets what the reference's forward used
+    (a :class:`fp32keep.ParameterUse`, or ``None`` where nothing was observed): see
+    :func:`accepts_observed`.
+    """
 
     def __call__(
         self,
@@ -77,9 +83,25 @@ def default_shard(
     mp_policy: MixedPrecisionPolicy,
     plan: KeepPlan,
     wrap: WrapSpec | None,
+    observed: fp32keep.ParameterUse | None = None,
 ) -> object:
-    """``fp32keep``'s keep-aware FSDP2 wrapping."""
-    return fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=mp_policy, plan=plan, wrap=wrap)
+    """``fp32keep``'s keep-aware FSDP2 wrapping, laid out from what the reference's forward used
+    (``observed``) where that was observed."""
+    return fp32keep.apply_fsdp2(
+        model, mesh=mesh, mp_policy=mp_policy, plan=plan, wrap=wrap, observed=observed
+    )
+
+
+def accepts_observed(shard: Callable[..., object]) -> bool:
+    """Whether ``shard`` names an ``observed`` parameter (``default_shard``, a
+    ``functools.partial`` of :func:`fp32keep.apply_fsdp2`): the contract passes it the
+    observation then, and leaves any other function's signature alone."""
+    try:
+        parameters = inspect.signature(shard).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False
+    found = parameters.get("observed")
+    return found is not None and found.kind in (found.KEYWORD_ONLY, found.POSITIONAL_OR_KEYWORD)
 
 
 def default_load(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | None) -> object:
