@@ -160,7 +160,10 @@ class ParameterUse:
                 ]
                 reader_fqn, method = ancestors[-1] if ancestors else ("", "")
                 reader = type(model.get_submodule(reader_fqn)).__name__
-                where = f"{reader}.{method}" if method and method != CALL else "no module call"
+                if method == CALL:  # a hook, or a __call__ that runs no forward
+                    where = f"a hook or call of {reader} (not its forward)"
+                else:
+                    where = f"{reader}.{method}" if method else "no module call"
                 expression = name[len(reader_fqn) + 1 :] if reader_fqn else name
                 evidence = f"observed in {where}"
                 return DirectRead(module_fqn, reader, expression, reader_fqn, evidence)
@@ -304,7 +307,11 @@ def observe_parameter_use(model: nn.Module) -> Iterator[ParameterUse]:
 
     Only code that runs is seen: a method your training never calls (Kyutai's
     ``codec_model.encode``, used by ``generate``) is not registered; run it inside the block
-    too if the sharded model must run it.
+    too if the sharded model must run it. Inside the block autocast's weight cache is off (an
+    ``autocast`` made there inherits that; ``cache_enabled=True`` would hide every use of a
+    weight after its first): a weight used several times under autocast then gets its gradient
+    summed in FP32 instead of in the low dtype, so observe a forward of its own rather than a
+    step whose gradients you compare bit for bit.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
@@ -323,8 +330,13 @@ def observe_parameter_use(model: nn.Module) -> Iterator[ParameterUse]:
     for name, param in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(first.setdefault(id(param), name), []).append(name)
     use = ParameterUse(type(model).__name__, aliases, complete=False)
+    # autocast casts a weight once per region and hands the cached copy to every later use, so
+    # those uses would show no parameter at all; without the cache each use casts, and is seen
+    cache = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
     try:
         with _Recorder(model, use):
             yield use
     finally:
+        torch.set_autocast_cache_enabled(cache)
         use.complete = True

@@ -177,17 +177,16 @@ class _Steps:
             raise ValueError(problem)
 
     def run_reference(self) -> None:
-        """``reference``: the reference's forward and backward (the gradients as masters), its
-        forward observed (``used``): which module calls and methods use each parameter, for
-        the implementation's layout and the control's."""
+        """``reference``: the reference's forward observed (``used``: which module calls and
+        methods use each parameter, for the implementation's layout and the control's), then
+        its forward and backward (the gradients as masters)."""
         if not self.agreement.runs("reference"):
             return
         reference = self._pass(self.models.reference)
 
         def run() -> Run:
-            with fp32keep.observe_parameter_use(self.models.reference) as used:
-                reference.forward()
-            self.used = used
+            self.used = reference.observe()
+            reference.forward()
             return reference.backward()
 
         expected, _ = self.agreement.step("reference", run)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import random
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
@@ -226,7 +227,8 @@ class Pass:
     """One forward and backward of ``model`` on ``batch`` under a dtype probe, as two steps.
 
     The contract agrees across ranks between :meth:`forward` and :meth:`backward`, so that a
-    crash in either is named as that step. The probe stays attached from the start of the
+    crash in either is named as that step; :meth:`observe` runs an observed forward of its own
+    first, for the reference. The probe stays attached from the start of the
     forward to the end of the backward (or to the crash that ends either).
     """
 
@@ -245,6 +247,23 @@ class Pass:
         self.probe = DtypeProbe(model, record_grads=False)
         self._logits: torch.Tensor | None = None
         self._loss: torch.Tensor | None = None
+
+    def observe(self) -> fp32keep.ParameterUse:
+        """What a forward of the model (and its loss) uses, and where
+        (:func:`fp32keep.observe_parameter_use`): a forward of its own, before :meth:`forward`,
+        its output dropped and the random generators put back, so that the forward the checks
+        compare runs as if it had not happened (autocast's weight cache, off while observing,
+        changes how a weight used twice sums its gradient)."""
+        python_state = random.getstate()
+        cuda = [torch.cuda.current_device()] if self._device.type == "cuda" else []
+        with (
+            torch.random.fork_rng(devices=cuda),
+            fp32keep.observe_parameter_use(self.model) as used,
+            _context(self._autocast, self._device, self._dtype),
+        ):
+            _logits_and_loss(_call(self.model, self.batch), self._loss_fn)
+        random.setstate(python_state)
+        return used
 
     def forward(self) -> None:
         """Run the forward and compute the loss (the probe attached)."""
