@@ -13,7 +13,8 @@ custom kernels and autocast, and never sees the metadata reads — ``.dtype``, `
 work on a sharded tensor too), with the model's modules running at that moment, read from the
 Python stack: a call through ``nn.Module.__call__`` (where FSDP2's hooks run), and any method of
 the module's class (``encode``, an inherited ``forward``, a helper on a base class). Operators
-run by autograd's backward are not recorded (the stack says nothing there).
+run by autograd's backward, and any with none of the model's frames on the stack (a deepcopy, a
+state dict, an optimizer step), are not the model's code running and are not recorded.
 
 A :class:`ParameterUse` answers, for any unit layout: which parameters are read while no module
 of their unit runs (:meth:`ParameterUse.direct_read`, :attr:`Coverage.uncovered`), and which
@@ -232,10 +233,9 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if _in_backward():
             return result
         used = self._params_in(args) | self._params_in(kwargs.values())
-        if used:
-            stack = self._stack(sys._getframe(1))
-            for name in used:
-                self._use._record(name, stack)
+        stack = self._stack(sys._getframe(1)) if used else ()
+        for name in used if stack else ():  # no frame: not the model's code (a deepcopy, a step)
+            self._use._record(name, stack)
         return result
 
     def _params_in(self, values: Iterable[Any]) -> set[str]:

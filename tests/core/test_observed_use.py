@@ -7,6 +7,7 @@ tests/multirank/test_observed_use_fsdp2.py runs the same toys sharded.
 
 from __future__ import annotations
 
+import copy
 import pickle
 
 import pytest
@@ -150,9 +151,12 @@ def test_negative_control_a_method_that_runs_parameters_is_judged_so() -> None:
 
 def test_only_forward_value_reads_are_recorded() -> None:
     # Block.forward reads `self.wo.weight.dtype` (metadata, no operator) and calls `self.wo`;
-    # backward runs operators on every weight with no model frame: neither is a use.
+    # backward, and a deepcopy, run operators on every weight with no model frame: no use.
     model = cast(ReadStack())
     use = observe(model)
+    with observe_parameter_use(model) as copied:
+        copy.deepcopy(model)
+    assert copied.used == frozenset()
     for name in use.used:
         for stack in use.stacks(name):
             assert stack[:2] == (("", CALL), ("", "forward")), (name, stack)
