@@ -157,3 +157,41 @@ class HelperStack(nn.Module):
         frames = self.codec.get_encoded_length(x.shape[1])
         codes = self.codec.encode(x)[:, :frames].mean(1, keepdim=True)
         return self.head(self.block(x + codes))
+
+
+class Scaler(nn.Module):
+    """Kept, with a forward of its own; its ``proj`` is a child, not a unit."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.proj(x.to(self.scale.dtype)) * self.scale).to(x.dtype)
+
+
+class ChildCalledStack(nn.Module):
+    """Calls the kept ``scaler`` and also, from outside it, the scaler's child ``proj``
+    (``reach_inside``): FSDP2 gathers ``proj`` only inside ``scaler``'s call."""
+
+    _no_split_modules: ClassVar[list[str]] = ["Block"]
+    _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["scaler"]
+    reach_inside: ClassVar[bool] = True
+
+    def __init__(self, width: int = 8, vocab: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.scaler = Scaler(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        h = self.scaler(x)
+        if self.reach_inside:
+            h = h + self.scaler.proj(x.to(self.scaler.scale.dtype)).to(x.dtype)
+        return self.head(h)
+
+
+class ChildNotCalledStack(ChildCalledStack):
+    reach_inside = False

@@ -14,7 +14,13 @@ import pytest
 import torch
 from torch import nn
 
-from fp32keep import ParameterUse, keep_aware_cast, observe_parameter_use, plan_layout
+from fp32keep import (
+    KeepLayoutError,
+    ParameterUse,
+    keep_aware_cast,
+    observe_parameter_use,
+    plan_layout,
+)
 from fp32keep import resolve_keep_plan as resolve
 from fp32keep.layout import Layout
 from fp32keep.observe import CALL
@@ -22,6 +28,8 @@ from fp32keep.reads import called_methods, find_direct_read
 from fp32keep.source_use import method_uses_parameters
 from tests.core.kept_toys import ConvReadStack, EncodeStack, ReadStack, SinkStack, TowerStack
 from tests.core.observed_toys import (
+    ChildCalledStack,
+    ChildNotCalledStack,
     HelperStack,
     InheritedCallStack,
     InheritedReadStack,
@@ -101,6 +109,31 @@ def test_negative_control_an_inherited_forward_that_calls_the_module() -> None:
     for how, layout in layouts(model).items():
         assert ("kept", ("encoder.embed_positions",)) in units(layout), how
         assert layout.replicated == (), how
+
+
+def test_a_kept_parameter_used_outside_its_unit_is_refused_naming_the_stack() -> None:
+    # The parent calls scaler.proj itself: proj's weights belong to the scaler's unit, which
+    # FSDP2 gathers only in the scaler's call. The source scan sees a call of `scaler(` and lets
+    # it through (the first forward would fail); the observation refuses it, saying where.
+    model = cast(ChildCalledStack())
+    plan = resolve(model, BF16, transformers_version=SEMANTICS)
+    with pytest.raises(KeepLayoutError) as error:
+        plan_layout(model, plan, observed=observe(model))
+    assert [(p.fqn, p.reason) for p in error.value.problems] == [
+        ("scaler.proj.bias", "read-not-called"),
+        ("scaler.proj.weight", "read-not-called"),
+    ]
+    text = str(error.value)
+    assert "is kept (float32) in unit 'scaler', but the observed forward used it in " in text
+    assert "<root>.__call__ > <root>.forward > scaler.proj.__call__ > scaler.proj.forward" in text
+    assert "mixed torch.Tensor and DTensor" in text and "freeze it" in text
+    assert ("kept", ("scaler",)) in units(plan_layout(model, plan))  # the scan's answer
+
+
+def test_negative_control_the_child_called_inside_its_unit_only() -> None:
+    model = cast(ChildNotCalledStack())
+    plan = resolve(model, BF16, transformers_version=SEMANTICS)
+    assert ("kept", ("scaler",)) in units(plan_layout(model, plan, observed=observe(model)))
 
 
 @pytest.mark.parametrize(
