@@ -161,12 +161,14 @@ def apply_fsdp2(
         observed: what a forward of the unsharded model used, and where
             (:func:`fp32keep.observe_parameter_use`), made on every rank of ``mesh``. The ranks'
             observations are merged (every use any rank saw) in one collective over the mesh,
-            so every rank lays out the same units; ``None`` on every rank: read the source.
+            so every rank lays out the same units: pass one on every rank or on none (``None``:
+            read the source; no collective).
 
     Raises:
         KeepLayoutError: the layout cannot keep the plan (nothing sharded).
-        ValueError: ``observed`` is of another model, or is still recording, or is given on
-            some ranks only (raised on every rank of the mesh, before anything is sharded).
+        ValueError: ``observed`` is of another model, or is still recording (on any rank:
+            raised on every rank of the mesh, before anything is sharded).
+        TypeError: ``observed`` is not a :class:`fp32keep.ParameterUse` (likewise).
 
     Returns:
         ``model``, now an ``FSDPModule``.
@@ -219,36 +221,39 @@ def _shard(
 
 
 def agreed_observation(model: nn.Module, observed: object, mesh: DeviceMesh) -> ParameterUse | None:
-    """``observed`` merged over every rank of ``mesh`` (one small collective per mesh dimension:
-    each rank's digest; whole observations only where they differ), or an error on every rank
-    when any rank's is unusable or missing. Every rank then plans the same layout."""
+    """``observed`` merged over every rank of ``mesh``, or an error on every rank when any
+    rank's is unusable; ``None`` (no collective) without one. Every rank then plans the same
+    layout.
+
+    One small collective per mesh dimension (each rank's digest and what is wrong with its
+    observation, if anything; the whole observations only where the digests differ). Without an
+    observation nothing is exchanged, so ``apply_fsdp2`` stays as free of collectives as
+    ``fully_shard``: a rank that raised before it leaves its peers no collective to wait in.
+    """
+    if observed is None:
+        return None
     mine = observed if isinstance(observed, ParameterUse) else None
-    problem = None
-    if observed is not None and mine is None:
+    problem: str | None
+    if mine is None:
         problem = f"observed must be a fp32keep.ParameterUse, got {type(observed).__name__}"
-    elif mine is not None and not mine.complete:
+    elif not mine.complete:
         problem = "observed is still recording: pass it after its `with` block ended"
-    elif mine is not None:
+    else:
         problem = mine.misfit(model)
     for dim in range(mesh.ndim):
         group = mesh.get_group(dim)
         ranks = dist.get_process_group_ranks(group)
         accounts: list[Any] = [None] * len(ranks)
         digest = mine.digest() if mine is not None and problem is None else None
-        dist.all_gather_object(accounts, (observed is not None, digest, problem), group=group)
+        dist.all_gather_object(accounts, (digest, problem), group=group)
         refusals = [
-            f"rank {r}: {bad}" for r, (_, _, bad) in zip(ranks, accounts, strict=True) if bad
+            f"rank {rank}: {bad}" for rank, (_, bad) in zip(ranks, accounts, strict=True) if bad
         ]
         if refusals:
             kind = TypeError if any("must be a" in text for text in refusals) else ValueError
             raise kind("apply_fsdp2(observed=...): " + "; ".join(refusals))
-        given = [r for r, (has, _, _) in zip(ranks, accounts, strict=True) if has]
-        if given and len(given) < len(ranks):
-            raise ValueError(
-                f"apply_fsdp2(observed=...) was given on ranks {given} only; pass an observation "
-                "on every rank (each rank observes its own forward) or on none"
-            )
-        if mine is not None and len({digest for _, digest, _ in accounts}) > 1:
+        assert mine is not None  # no rank refused, this one included
+        if len({digest for digest, _ in accounts}) > 1:
             everyone: list[Any] = [None] * len(ranks)
             dist.all_gather_object(everyone, mine, group=group)
             mine = mine.merged(everyone)

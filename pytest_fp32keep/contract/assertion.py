@@ -178,8 +178,8 @@ class _Steps:
 
     def run_reference(self) -> None:
         """``reference``: the reference's forward observed (``used``: which module calls and
-        methods use each parameter, for the implementation's layout and the control's), then
-        its forward and backward (the gradients as masters)."""
+        methods use each parameter, merged over the ranks, for the implementation's layout and
+        the control's), then its forward and backward (the gradients as masters)."""
         if not self.agreement.runs("reference"):
             return
         reference = self._pass(self.models.reference)
@@ -189,7 +189,12 @@ class _Steps:
             reference.forward()
             return reference.backward()
 
-        expected, _ = self.agreement.step("reference", run)
+        # every rank's observation travels with the step's agreement (bounded), so the shard
+        # and the control get the same merged one on every rank
+        expected, observations = self.agreement.step("reference", run, lambda _: self.used)
+        if self.used is not None and observations:
+            others = [o for o in observations if isinstance(o, fp32keep.ParameterUse)]
+            self.used = self.used.merged(others)
         if expected is not None:
             expected.grads = as_master_grads(
                 expected.grads, self.models.plan, self.setup.master_dtype
