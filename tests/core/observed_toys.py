@@ -12,6 +12,8 @@ other way, for the negative controls.
   parameters after the inner call returns.
 * :class:`HelperStack`: a kept codec with a pure helper, ``get_encoded_length`` (arithmetic on
   its convolution's stride, as Kyutai's Mimi codec has), beside ``encode``, which runs it.
+* :class:`ChildCalledStack`: calls a kept module and, from outside it, that module's child;
+  :class:`ChildNotCalledStack` calls the kept module only.
 """
 
 from __future__ import annotations
@@ -21,33 +23,14 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from tests.core.toys import Block
+from tests.core.kept_toys import KeptBesideBlock, PositionReader, Tokenizer
 
 
-class _Positions(nn.Module):
-    """Builds what both encoders share: frozen ``embed_positions`` and two blocks."""
-
-    def __init__(self, width: int = 8, positions: int = 6, depth: int = 2) -> None:
-        super().__init__()
-        self.embed_positions = nn.Embedding(positions, width)
-        self.embed_positions.requires_grad_(False)
-        self.layers = nn.ModuleList(Block(width) for _ in range(depth))
+class InheritedPositionReader(PositionReader):
+    """Defines nothing but its name: its ``forward``, the read, is a base class's."""
 
 
-class _ReadsPositions(_Positions):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        positions = self.embed_positions.weight[: x.shape[1]]
-        x = (x.float() + positions).to(x.dtype)
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
-class InheritedPositionReader(_ReadsPositions):
-    """Defines nothing but its name: its ``forward`` (the read) is ``_ReadsPositions``'."""
-
-
-class _CallsPositions(_Positions):
+class _PositionCaller(PositionReader):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids = torch.arange(x.shape[1], device=x.device)
         x = (x.float() + self.embed_positions(ids)).to(x.dtype)
@@ -56,8 +39,8 @@ class _CallsPositions(_Positions):
         return x
 
 
-class InheritedPositionCaller(_CallsPositions):
-    """Defines nothing but its name: its ``forward`` calls ``embed_positions``."""
+class InheritedPositionCaller(_PositionCaller):
+    """Defines nothing but its name: its inherited ``forward`` calls ``embed_positions``."""
 
 
 class InheritedReadStack(nn.Module):
@@ -104,16 +87,9 @@ class Codec(nn.Module):
         return self.out(h.to(self.scale.dtype)).to(x.dtype)
 
 
-class NestedCallsStack(nn.Module):
-    _no_split_modules: ClassVar[list[str]] = ["Block"]
-    _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["codec"]
-
-    def __init__(self, width: int = 8, vocab: int = 16) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.codec = Codec(width)
-        self.block = Block(width)
-        self.head = nn.Linear(width, vocab, bias=False)
+class NestedCallsStack(KeptBesideBlock):
+    kept_name = "codec"
+    kept_class = Codec
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
@@ -141,16 +117,9 @@ class LengthCodec(nn.Module):
         return self.encode(x)  # a forward of its own makes the codec a unit, as Mimi's does
 
 
-class HelperStack(nn.Module):
-    _no_split_modules: ClassVar[list[str]] = ["Block"]
-    _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["codec"]
-
-    def __init__(self, width: int = 8, vocab: int = 16) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.codec = LengthCodec(width)
-        self.block = Block(width)
-        self.head = nn.Linear(width, vocab, bias=False)
+class HelperStack(KeptBesideBlock):
+    kept_name = "codec"
+    kept_class = LengthCodec
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
@@ -159,38 +128,21 @@ class HelperStack(nn.Module):
         return self.head(self.block(x + codes))
 
 
-class Scaler(nn.Module):
-    """Kept, with a forward of its own; its ``proj`` is a child, not a unit."""
+class ChildCalledStack(KeptBesideBlock):
+    """Calls the kept ``scaler`` (a tokenizer with a forward of its own; its ``proj`` is a child,
+    not a unit) and also, from outside it, the scaler's child ``proj`` (``reach_inside``): FSDP2
+    gathers ``proj`` only inside ``scaler``'s call."""
 
-    def __init__(self, width: int = 8) -> None:
-        super().__init__()
-        self.proj = nn.Linear(width, width)
-        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.proj(x.to(self.scale.dtype)) * self.scale).to(x.dtype)
-
-
-class ChildCalledStack(nn.Module):
-    """Calls the kept ``scaler`` and also, from outside it, the scaler's child ``proj``
-    (``reach_inside``): FSDP2 gathers ``proj`` only inside ``scaler``'s call."""
-
-    _no_split_modules: ClassVar[list[str]] = ["Block"]
-    _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["scaler"]
+    kept_name = "scaler"
+    kept_class = Tokenizer
     reach_inside: ClassVar[bool] = True
-
-    def __init__(self, width: int = 8, vocab: int = 16) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.scaler = Scaler(width)
-        self.head = nn.Linear(width, vocab, bias=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
         h = self.scaler(x)
         if self.reach_inside:
             h = h + self.scaler.proj(x.to(self.scaler.scale.dtype)).to(x.dtype)
-        return self.head(h)
+        return self.head(self.block(h))
 
 
 class ChildNotCalledStack(ChildCalledStack):

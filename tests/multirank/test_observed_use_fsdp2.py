@@ -62,6 +62,15 @@ def observed(model: nn.Module) -> fp32keep.ParameterUse:
     return use
 
 
+def observed_on_rank_zero(model: nn.Module) -> fp32keep.ParameterUse:
+    """Rank 0's forward observed; on the other ranks an observation in which nothing ran."""
+    if dist.get_rank() == 0:
+        return observed(model)
+    with fp32keep.observe_parameter_use(model) as use:
+        pass
+    return use
+
+
 def sharded(cls: type[nn.Module], how: str, mesh: DeviceMesh) -> tuple[nn.Module, nn.Module]:
     """``cls`` sharded by apply_fsdp2 from the source or from an observed forward, and its
     unsharded reference."""
@@ -186,11 +195,7 @@ def test_observations_that_differ_between_ranks_are_merged(mesh: DeviceMesh) -> 
     # Rank 1's forward did not run the codec (a batch without that input): every rank must
     # still lay out the same units, or their collectives would not pair.
     model, reference, plan = built(NestedCallsStack)
-    if dist.get_rank() == 0:
-        use = observed(model)
-    else:
-        with fp32keep.observe_parameter_use(model) as use:
-            pass
+    use = observed_on_rank_zero(model)
     fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=POLICY, plan=plan, observed=use)
     assert {"encode", "quantize", "roundtrip"} <= set(vars(model.codec))
     assert_same_run(model, reference)
@@ -198,11 +203,7 @@ def test_observations_that_differ_between_ranks_are_merged(mesh: DeviceMesh) -> 
 
 def test_negative_control_unmerged_observations_give_ranks_other_layouts(mesh: DeviceMesh) -> None:
     model, _, plan = built(NestedCallsStack)
-    if dist.get_rank() == 0:
-        use = observed(model)
-    else:
-        with fp32keep.observe_parameter_use(model) as use:
-            pass
+    use = observed_on_rank_zero(model)
     own = dict(fp32keep.plan_layout(model, plan, observed=use).forward_methods)
     layouts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(layouts, own)
