@@ -130,8 +130,9 @@ def test_no_module_is_shadowed_by_a_package(folder: Path) -> None:
     assert shadowed == []
 
 
-#: FSDP2's private state, as attributes read off it; ``contract/fsdp_state.py`` is the one
-#: module that may read them (it names each one and the torch releases it was verified on).
+#: FSDP2's private state, as attributes read off it; ``contract/fsdp_state.py`` (the plugin) and
+#: ``fsdp_hooks.py`` (the library, which may not import the plugin) are the modules that may read
+#: them (each names what it reads and the torch releases it was verified on).
 FSDP2_PRIVATE_ATTRIBUTES = frozenset(
     {
         "_fsdp_param_group",
@@ -139,6 +140,8 @@ FSDP2_PRIVATE_ATTRIBUTES = frozenset(
         "_get_fsdp_state",
         "_lazy_init",
         "_module_info",
+        "_post_forward",
+        "_pre_forward",
         "fsdp_params",
         "mp_policy",
         "post_forward_mesh_info",
@@ -147,6 +150,7 @@ FSDP2_PRIVATE_ATTRIBUTES = frozenset(
 FSDP2_PRIVATE_MODULES = ("torch.distributed.fsdp._", "torch.distributed._composable")
 FSDP2_STATE_READERS = {
     "pytest_fp32keep/contract/fsdp_state.py": "the shim itself",
+    "impl/fp32keep/fsdp_hooks.py": "the library's shim: a unit's forward hooks",
     # builds a unit with two param groups (ShardPlacementResult is exported only privately) and
     # fakes FSDP2's state to test the shim's errors
     "tests/contract/test_fsdp_state.py": "the shim's own tests",
@@ -189,8 +193,9 @@ def test_fsdp2_private_state_is_read_in_one_place() -> None:
         and (reads := _fsdp2_private_reads(path))
     }
     assert offences == {}, (
-        "read FSDP2's private state through pytest_fp32keep/contract/fsdp_state.py (or use "
-        f"FSDPModule's public methods): {offences}"
+        "read FSDP2's private state through pytest_fp32keep/contract/fsdp_state.py (the "
+        "library: impl/fp32keep/fsdp_hooks.py), or use FSDPModule's public methods: "
+        f"{offences}"
     )
 
 

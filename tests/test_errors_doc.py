@@ -26,7 +26,10 @@ from tests import error_bounds
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "errors.md"
-LAYOUT_SOURCE = ROOT / "impl" / "fp32keep" / "layout.py"
+#: Where the layout's refusals are built: the planner, and the wording of its refusals.
+LAYOUT_SOURCES = tuple(
+    ROOT / "impl" / "fp32keep" / name for name in ("layout.py", "layout_problems.py")
+)
 HEADINGS = ("Library, bad layouts", "Library, bad calls", "Plugin and CLI", "Runner faults")
 COLUMNS = ["Row", "Situation", "What the user sees", "Time bound", "Test"]
 
@@ -235,9 +238,10 @@ def test_every_exception_of_fp32keep_errors_has_a_row() -> None:
 
 
 def layout_reason_tags() -> set[str]:
-    """The reason of every ``LayoutProblem(...)`` that layout.py builds."""
+    """The reason of every ``LayoutProblem(...)`` that layout.py and layout_problems.py build."""
     tags: set[str] = set()
-    for node in ast.walk(ast.parse(LAYOUT_SOURCE.read_text(encoding="utf-8"))):
+    trees = [ast.parse(source.read_text(encoding="utf-8")) for source in LAYOUT_SOURCES]
+    for node in (node for tree in trees for node in ast.walk(tree)):
         if (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Name)

@@ -1,12 +1,13 @@
 """Which modules become kept units: the selection behind :func:`fp32keep.layout.plan_layout`. Pure.
 
-Kept units are chosen from the module tree and the plan alone: the topmost fully kept modules
-with a forward, wrap targets nested inside them, owners of only kept parameters that have
-children that are not kept, and never a module an ancestor reads without calling it
-(:mod:`fp32keep.reads`). Such a read module goes with its reader instead where the reader is
-its parent and owns no parameter that is not kept: the reader becomes an owner unit (its
-children that are not kept get units of their own first), so FSDP2 all-gathers the read tensors
-in FP32 in the reader's own forward hook, just before the reader's code reads them (the
+Kept units are chosen from the module tree and the plan: the topmost fully kept modules with a
+forward, wrap targets nested inside them, owners of only kept parameters that have children
+that are not kept, and never a module an ancestor reads without calling it (observed,
+:meth:`fp32keep.observe.ParameterUse.direct_read`, or else read from the source,
+:func:`fp32keep.reads.find_direct_read`). Such a read module goes with its reader instead where
+the reader is its parent and owns no parameter that is not kept: the reader becomes an owner
+unit (its children that are not kept get units of their own first), so FSDP2 all-gathers the
+read tensors in FP32 in the reader's own forward hook, just before the reader's code reads them (the
 linear-attention ``conv1d`` whose ``weight`` Bailing-Hybrid's attention hands to a kernel).
 """
 
@@ -15,12 +16,16 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 from torch import nn
 
 from fp32keep.plan import KeepPlan
-from fp32keep.reads import DirectRead, find_direct_read
+from fp32keep.reads import DirectRead
 from fp32keep.tensors import is_castable_float, iter_owned, join
+
+ReadFinder: TypeAlias = Callable[[nn.Module, str], DirectRead | None]
+"""``(model, module_fqn) -> DirectRead | None``: who reads a module's tensors without calling it."""
 
 
 def has_own_forward(module: nn.Module) -> bool:
@@ -86,10 +91,12 @@ def kept_modules(
     plan: KeepPlan,
     below: dict[str, list[str]],
     is_target: Callable[[nn.Module], bool],
+    find_read: ReadFinder,
 ) -> KeptSelection:
     """The kept units of ``model`` under ``plan`` (see :class:`KeptSelection`), before grouping.
 
-    ``below`` is :func:`float_param_names`; ``is_target`` says which modules are wrap targets.
+    ``below`` is :func:`float_param_names`; ``is_target`` says which modules are wrap targets;
+    ``find_read`` who reads a module without calling it (observed, or from the source).
     """
     found = KeptSelection()
     if not plan.param_names:
@@ -169,7 +176,7 @@ def kept_modules(
         return None
 
     def keep(fqn: str, module: nn.Module, into: list[str]) -> bool:
-        read = find_direct_read(model, fqn)
+        read = find_read(model, fqn)
         if read is None:
             into.append(fqn)
             return True

@@ -18,16 +18,19 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
 import torch
 from torch import nn
 
 from fp32keep.errors import KeepLayoutError, LayoutProblem
+from fp32keep.gathered import methods_to_gather
 from fp32keep.kept_units import float_param_names, kept_modules
+from fp32keep.layout_problems import mixed_problem, read_problem, uncovered_problem
+from fp32keep.observe import ParameterUse, UnitMembers
 from fp32keep.plan import KeepPlan
-from fp32keep.reads import DirectRead
+from fp32keep.reads import DirectRead, find_direct_read
 from fp32keep.tensors import is_castable_float, iter_owned, join
 
 UnitKind = Literal["kept", "standard", "root"]
@@ -73,17 +76,25 @@ class Layout:
             (``"<replicated>"`` for the replicated ones).
         replicated: kept, frozen parameters that no unit can isolate: left out of FSDP2
             (``ignored_params``), so every rank holds them whole, in FP32, never cast.
+        forward_methods: for each module of a unit, the methods other than ``forward`` FSDP2
+            gathers the unit around (:mod:`fp32keep.gathered`): collectives, like forward.
     """
 
     units: tuple[Unit, ...]
     owner: dict[str, str]
     replicated: tuple[str, ...] = ()
+    forward_methods: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def describe(self) -> str:
         """A readable list of units in sharding order."""
         lines = [
             f"{unit.kind:<10} {unit.label}"
             + (" (stays gathered from forward to backward)" if unit.stays_gathered else "")
+            + "".join(
+                f"; gathered around {fqn or '<root>'}.{method}"
+                for fqn in unit.module_fqns
+                for method in self.forward_methods.get(fqn, ())
+            )
             for unit in self.units
         ]
         lines += [f"{'replicated':<10} {name}" for name in self.replicated]
@@ -165,14 +176,19 @@ def plan_layout(
     wrap: WrapSpec | None = None,
     group_kept: KeptGrouping = False,
     replicate_frozen: bool = True,
+    observed: ParameterUse | None = None,
 ) -> Layout:
     """Decide the units that keep ``plan`` under FSDP2, or raise with every reason it cannot.
 
     Kept units are chosen by :func:`fp32keep.kept_units.kept_modules`: topmost fully kept
     modules, wrap targets nested inside them (never grouped), and owners of only kept, trainable
     parameters with children that are not kept (never grouped; their children become standard
-    units). A kept module an ancestor reads without calling it (:mod:`fp32keep.reads`) is never
-    a unit: frozen, it is replicated; trainable, it is refused (``read-not-called``).
+    units). A kept module an ancestor reads without calling it is never a unit: frozen, it is
+    replicated; trainable, it goes with its reader or is refused (``read-not-called``). Who
+    reads what, and which methods other than ``forward`` run each unit
+    (``Layout.forward_methods``), is taken from ``observed`` when given, else from the source
+    (:mod:`fp32keep.reads`); with ``observed``, a kept parameter used while no module of its
+    unit runs is refused too (``read-not-called``).
 
     Args:
         model: the unsharded model, already cast (kept tensors FP32).
@@ -190,6 +206,8 @@ def plan_layout(
             out of FSDP2 and replicated in FP32 instead of refused; so is a frozen kept module
             read without a call. Trainable ones are refused: FSDP2 would not reduce their
             gradients.
+        observed: what a forward of the unsharded model used, and where
+            (:func:`fp32keep.observe_parameter_use`); ``None``: read from the source.
 
     Raises:
         KeepLayoutError: naming every offending parameter and the reason.
@@ -198,7 +216,8 @@ def plan_layout(
     below = float_param_names(model)
     modules = dict(model.named_modules(remove_duplicate=False))
     is_target = _wrap_predicate(model, wrap)
-    selection = kept_modules(model, plan, below, is_target)
+    find_read = observed.direct_read if observed is not None else find_direct_read
+    selection = kept_modules(model, plan, below, is_target, find_read)
     kept = selection.top
     inside_kept = tuple(kept)
 
@@ -249,11 +268,23 @@ def plan_layout(
         read_directly=selection.read_directly,
         reader_obstacles=selection.reader_obstacles,
     )
+    managed: dict[str, list[str]] = defaultdict(list)
+    for name, label in owner.items():
+        managed[label].append(name)
+    members = [UnitMembers(unit.module_fqns, managed[unit.label]) for unit in units]
+    if observed is not None:
+        refused = {problem.fqn for problem in problems}
+        problems += [
+            uncovered_problem(name, owner[name], stack, _dtype_name(plan.dtype))
+            for name, stack in observed.coverage(members).uncovered.items()
+            if name in plan.param_names and name not in refused
+        ]
     if problems:
         raise KeepLayoutError(problems, model_name=type(model).__name__)
     # Children before parents: fully_shard claims the parameters not yet claimed below it.
     ordered = sorted(units, key=lambda unit: (-unit.depth, unit.kind != "kept"))
-    return Layout(tuple(ordered), owner, tuple(replicated))
+    methods = methods_to_gather(model, members, observed)
+    return Layout(tuple(ordered), owner, tuple(replicated), methods)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -353,7 +384,7 @@ def _assign_and_validate(
         read = _read_covering(read_directly, module_fqn)
         if read is not None and unit.kind != "kept":
             obstacle = (reader_obstacles or {}).get(read.module_fqn)
-            problems.append(_read_problem(first, read, unit.label, replicate_frozen, low, obstacle))
+            problems.append(read_problem(first, read, unit.label, replicate_frozen, low, obstacle))
         elif unit.kind == "root":
             problems.append(
                 LayoutProblem(
@@ -368,71 +399,12 @@ def _assign_and_validate(
                 )
             )
         elif unit.kind == "standard":
-            problems.append(_mixed_problem(first, model, module_fqn, unit.label, not_kept_owned))
+            problems.append(mixed_problem(first, model, module_fqn, unit.label, not_kept_owned))
         if len(problems) > count_before:
             flagged.add(key)
 
     problems += _mixed_dtype_problems(units, members, params, names_of_param, flagged)
     return owner, replicated, problems
-
-
-def _read_problem(
-    fqn: str,
-    read: DirectRead,
-    unit_label: str,
-    replicate_frozen: bool,
-    low: str,
-    obstacle: str | None = None,
-) -> LayoutProblem:
-    remedy = (
-        "freeze it (requires_grad_(False): frozen kept modules read this way are replicated "
-        "whole on every rank)"
-        if replicate_frozen
-        else "upgrade torch (fully_shard(ignored_params=...) replicates it when frozen)"
-    )
-    return LayoutProblem(
-        fqn,
-        "read-not-called",
-        f"is kept (float32) in module {read.module_fqn!r}, which {read.reader} reads directly "
-        f"({read.expression}) without calling it: FSDP2 all-gathers a unit in its forward hook, "
-        "so as a unit of its own it would never be gathered (the first forward fails with "
-        "'mixed torch.Tensor and DTensor'), and inside "
-        f"{unit_label!r} it would be all-gathered in the policy's param_dtype ({low})"
-        + (f"; nor can its reader's unit hold it: {obstacle}" if obstacle else "")
-        + f". Trainable, it cannot be kept: {remedy}.",
-    )
-
-
-def _mixed_problem(
-    fqn: str,
-    model: nn.Module,
-    module_fqn: str,
-    unit_label: str,
-    not_kept_owned: dict[str, list[str]],
-) -> LayoutProblem:
-    module = model.get_submodule(module_fqn)
-    others = not_kept_owned.get(module_fqn, [])
-    if others:
-        why = (
-            f"its module {module_fqn!r} ({type(module).__name__}) also directly owns "
-            f"parameters the plan does not keep: {', '.join(others[:4])}"
-            f"{' …' if len(others) > 4 else ''}; FSDP2 puts a module's own parameters in one "
-            "unit, so they cannot be split"
-        )
-        remedy = "declare the whole module kept, move the parameter into a module of its own"
-    else:
-        why = (
-            f"its module {module_fqn!r} ({type(module).__name__}) has no forward of its own, "
-            "so FSDP2's hooks on it would never run"
-        )
-        remedy = "move the parameter into a module that is called"
-    return LayoutProblem(
-        fqn,
-        "mixed-unit",
-        f"is kept (float32) but would be all-gathered with unit {unit_label!r} in the policy's "
-        f"param_dtype: {why}. Fix: {remedy}, or freeze it (frozen kept parameters are "
-        "replicated).",
-    )
 
 
 def _mixed_dtype_problems(

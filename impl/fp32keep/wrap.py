@@ -4,25 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import (
-    FSDPModule,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-    register_fsdp_forward_method,
-)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from fp32keep.devices import collective_device
+from fp32keep.gathered import register_gathered_methods
 from fp32keep.layout import KeptGrouping, Layout, WrapSpec, plan_layout
+from fp32keep.observe import ParameterUse
 from fp32keep.plan import KeepPlan, check_plan_fits, resolve_keep_plan
-from fp32keep.reads import called_methods
 from fp32keep.tensors import check_float_dtype, is_castable_float
 
 # fully_shard(ignored_params=...) arrived after torch 2.6; without it a frozen kept parameter
@@ -118,6 +112,7 @@ def apply_fsdp2(
     reshard_after_forward: bool | int | None = None,
     offload_policy: OffloadPolicy | None = None,
     group_kept: KeptGrouping = False,
+    observed: ParameterUse | None = None,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 so that the plan's parameters stay FP32, or refuse.
 
@@ -143,10 +138,11 @@ def apply_fsdp2(
     frozen kept module that an ancestor reads without calling it (Voxtral's ``embed_positions``:
     FSDP2 would never all-gather it); a trainable one goes with its reader's kept unit where the
     reader is its parent and owns only kept parameters, else it is refused
-    (``read-not-called``). Such reads are found in the source of the ancestors' classes
-    (:mod:`fp32keep.reads`), and so are the methods other than ``forward`` that an ancestor
-    calls on a unit (``tokenizer.encode(...)``): each is registered with
-    ``register_fsdp_forward_method``, so FSDP2 gathers the unit around it too.
+    (``read-not-called``). The methods other than ``forward`` that run a unit's parameters
+    (``tokenizer.encode(...)``) are registered (:mod:`fp32keep.gathered`), so FSDP2 gathers the
+    unit around them too, outermost call only. Both are taken from ``observed`` when given
+    (what a forward of the unsharded model did, :func:`fp32keep.observe_parameter_use`), else
+    from the source of the ancestors' classes and their bases (:mod:`fp32keep.reads`).
 
     Args:
         model: the unsharded model, cast keep-aware (:func:`fp32keep.keep_aware_cast`).
@@ -162,17 +158,34 @@ def apply_fsdp2(
             resharded after forward (one all-gather and one reduce-scatter per step for every
             kept parameter; each rank holds them unsharded during the step). Grouping needs a
             torch whose grouped ``fully_shard`` finishes groups whose modules did not all run.
+        observed: what a forward of the unsharded model used, and where
+            (:func:`fp32keep.observe_parameter_use`), made on every rank of ``mesh``. The ranks'
+            observations are merged (every use any rank saw) in one collective over the mesh,
+            so every rank lays out the same units: pass one on every rank or on none (``None``:
+            read the source; no collective).
+
+    Raises:
+        KeepLayoutError: the layout cannot keep the plan (nothing sharded).
+        ValueError: ``observed`` is of another model, or is still recording (on any rank:
+            raised on every rank of the mesh, before anything is sharded).
+        TypeError: ``observed`` is not a :class:`fp32keep.ParameterUse` (likewise).
 
     Returns:
         ``model``, now an ``FSDPModule``.
     """
     _check_callable_state(model, mesh, mp_policy)
+    observed = agreed_observation(model, observed, mesh)
     if plan is None:
         plan = resolve_keep_plan(model, infer_low_precision_dtype(model, mp_policy))
     else:
         check_plan_fits(model, plan)
     layout = plan_layout(
-        model, plan, wrap=wrap, group_kept=group_kept, replicate_frozen=_SUPPORTS_IGNORED_PARAMS
+        model,
+        plan,
+        wrap=wrap,
+        group_kept=group_kept,
+        replicate_frozen=_SUPPORTS_IGNORED_PARAMS,
+        observed=observed,
     )
     _shard(model, layout, mesh, mp_policy, reshard_after_forward, offload_policy)
     return model
@@ -202,18 +215,49 @@ def _shard(
         policy = kept_policy if unit.kind == "kept" else mp_policy
         options = dict(common, reshard_after_forward=False) if unit.stays_gathered else common
         fully_shard(targets if len(targets) > 1 else targets[0], mp_policy=policy, **options)
-        hook_called_methods(model, unit.module_fqns)
+    register_gathered_methods(model, [u.module_fqns for u in layout.units], layout.forward_methods)
     if layout.replicated:
         _to_mesh_device(common["ignored_params"], mesh)
 
 
-def hook_called_methods(model: nn.Module, module_fqns: Iterable[str]) -> None:
-    """Make FSDP2 gather each sharded module of ``module_fqns`` around the methods other than
-    ``forward`` that its ancestors call on it (:func:`fp32keep.reads.called_methods`), as it
-    does around ``forward``; a no-op for modules no ancestor calls that way."""
-    for fqn in module_fqns:
-        for method in called_methods(model, fqn):
-            register_fsdp_forward_method(model.get_submodule(fqn), method)
+def agreed_observation(model: nn.Module, observed: object, mesh: DeviceMesh) -> ParameterUse | None:
+    """``observed`` merged over every rank of ``mesh``, or an error on every rank when any
+    rank's is unusable; ``None`` (no collective) without one. Every rank then plans the same
+    layout.
+
+    One small collective per mesh dimension (each rank's digest and what is wrong with its
+    observation, if anything; the whole observations only where the digests differ). Without an
+    observation nothing is exchanged, so ``apply_fsdp2`` stays as free of collectives as
+    ``fully_shard``: a rank that raised before it leaves its peers no collective to wait in.
+    """
+    if observed is None:
+        return None
+    mine = observed if isinstance(observed, ParameterUse) else None
+    problem: str | None
+    if mine is None:
+        problem = f"observed must be a fp32keep.ParameterUse, got {type(observed).__name__}"
+    elif not mine.complete:
+        problem = "observed is still recording: pass it after its `with` block ended"
+    else:
+        problem = mine.misfit(model)
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        ranks = dist.get_process_group_ranks(group)
+        accounts: list[Any] = [None] * len(ranks)
+        digest = mine.digest() if mine is not None and problem is None else None
+        dist.all_gather_object(accounts, (digest, problem), group=group)
+        refusals = [
+            f"rank {rank}: {bad}" for rank, (_, bad) in zip(ranks, accounts, strict=True) if bad
+        ]
+        if refusals:
+            kind = TypeError if any("must be a" in text for text in refusals) else ValueError
+            raise kind("apply_fsdp2(observed=...): " + "; ".join(refusals))
+        assert mine is not None  # no rank refused, this one included
+        if len({digest for digest, _ in accounts}) > 1:
+            everyone: list[Any] = [None] * len(ranks)
+            dist.all_gather_object(everyone, mine, group=group)
+            mine = mine.merged(everyone)
+    return mine
 
 
 def _to_mesh_device(params: set[nn.Parameter], mesh: DeviceMesh) -> None:

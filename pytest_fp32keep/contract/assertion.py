@@ -75,12 +75,12 @@ from pytest_fp32keep.contract.steps import (
     Pass,
     Run,
     ShardFn,
+    accepts_observed,
     default_cast,
     default_load,
     default_shard,
     describe_context,
     device_of,
-    forward_backward,
     master_cast,
     set_prefetch,
     to_device,
@@ -158,6 +158,7 @@ class _Steps:
     batch: Any = None
     expected: Run | None = None
     observed: Run | None = None
+    used: fp32keep.ParameterUse | None = None  # what the reference's forward used, and where
 
     def _pass(self, model: nn.Module) -> Pass:
         s = self.setup
@@ -183,21 +184,24 @@ class _Steps:
             raise ValueError(problem)
 
     def run_reference(self) -> None:
-        """``reference``: the reference's forward and backward (the gradients as masters)."""
+        """``reference``: the reference's forward observed (``used``: which module calls and
+        methods use each parameter, merged over the ranks, for the implementation's layout and
+        the control's), then its forward and backward (the gradients as masters)."""
         if not self.agreement.runs("reference"):
             return
-        s, m = self.setup, self.models
-        expected, _ = self.agreement.step(
-            "reference",
-            lambda: forward_backward(
-                m.reference,
-                self.batch,
-                autocast=s.autocast,
-                device=m.device,
-                dtype=s.dtype,
-                loss_fn=s.loss_fn,
-            ),
-        )
+        reference = self._pass(self.models.reference)
+
+        def run() -> Run:
+            self.used = reference.observe()
+            reference.forward()
+            return reference.backward()
+
+        # every rank's observation travels with the step's agreement (bounded), so the shard
+        # and the control get the same merged one on every rank
+        expected, observations = self.agreement.step("reference", run, lambda _: self.used)
+        if self.used is not None and observations:
+            others = [o for o in observations if isinstance(o, fp32keep.ParameterUse)]
+            self.used = self.used.merged(others)
         if expected is not None:
             expected.grads = as_master_grads(
                 expected.grads, self.models.plan, self.setup.master_dtype
@@ -213,7 +217,10 @@ class _Steps:
         if self.agreement.runs("shard"):
 
             def shard() -> None:
-                s.shard(m.model, mesh=s.mesh, mp_policy=s.policy, plan=m.plan, wrap=s.wrap)
+                observed = {"observed": self.used} if accepts_observed(s.shard) else {}
+                s.shard(
+                    m.model, mesh=s.mesh, mp_policy=s.policy, plan=m.plan, wrap=s.wrap, **observed
+                )
                 set_prefetch(m.model, s.forward_prefetch)
 
             self.agreement.step("shard", shard)
@@ -259,6 +266,7 @@ class _Steps:
                 autocast=s.autocast,
                 loss_fn=s.loss_fn,
                 seed=s.seed,
+                observed=self.used,
             )
             return measure_control(
                 run,

@@ -28,8 +28,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fp32keep
-from fp32keep import KeepPlan
-from fp32keep.wrap import hook_called_methods
+from fp32keep import KeepPlan, ParameterUse
+from fp32keep.gathered import methods_to_gather, register_gathered_methods
+from fp32keep.observe import UnitMembers
 from pytest_fp32keep.contract.determinism import second_run_reason
 from pytest_fp32keep.contract.fsdp_state import fsdp_units
 from pytest_fp32keep.contract.parity_policy import ControlMeasure, control_errors, control_spread
@@ -159,9 +160,12 @@ def _shard_like(
     mesh: DeviceMesh,
     plan: KeepPlan,
     policy: MixedPrecisionPolicy,
+    observed: ParameterUse | None,
 ) -> None:
     """Shard ``model`` into ``units`` (inner units first, so each call manages the same
-    parameters as the implementation's did), then check that it did."""
+    parameters as the implementation's did), then check that it did. Each unit is gathered
+    around the methods a correct implementation gathers it around (``observed``, else the
+    source: :func:`fp32keep.gathered.methods_to_gather`)."""
     modules = dict(model.named_modules(remove_duplicate=False))
     parameters = dict(model.named_parameters(remove_duplicate=False))
     managed = set().union(*(unit.params | unit.slots for unit in units)) if units else set()
@@ -177,7 +181,9 @@ def _shard_like(
             reshard_after_forward=unit.reshard_after_forward,
             **options,
         )
-        hook_called_methods(model, unit.modules)  # as a correct implementation must
+    members = [UnitMembers(unit.modules, unit.params) for unit in units]
+    methods = methods_to_gather(model, members, observed)
+    register_gathered_methods(model, [unit.modules for unit in units], methods)
     mirrored = {unit.modules: unit.slots for unit in unit_layout(model)}
     wanted = {unit.modules: unit.slots for unit in units}
     if mirrored != wanted:
@@ -247,10 +253,12 @@ def control_run(
     autocast: bool,
     loss_fn: Callable[[Any], torch.Tensor] | None,
     seed: int,
+    observed: ParameterUse | None = None,
 ) -> Run:
     """One run of the control: the model built under ``seed``, cast the correct way for
     ``master_dtype``, sharded into ``units`` with :func:`correct_policy`, run on ``batch``
-    (deterministic algorithms on, as every run of the contract)."""
+    (deterministic algorithms on, as every run of the contract; ``observed``: what the
+    reference's forward used, for the methods each unit is gathered around)."""
     device = device_of(mesh)
     with seeded(seed):
         model = model_factory().to(device)
@@ -258,7 +266,7 @@ def control_run(
         fp32keep.keep_aware_cast(model, dtype, plan=plan)
     else:
         master_cast(model, dtype, plan)
-    _shard_like(model, units, mesh=mesh, plan=plan, policy=policy)
+    _shard_like(model, units, mesh=mesh, plan=plan, policy=policy, observed=observed)
     return forward_backward(
         model, batch, autocast=autocast, device=device, dtype=dtype, loss_fn=loss_fn
     )

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
+import random
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
@@ -37,7 +39,12 @@ class CastFn(Protocol):
 
 
 class ShardFn(Protocol):
-    """Shards a model with FSDP2 in place (the default: :func:`fp32keep.apply_fsdp2`)."""
+    """Shards a model with FSDP2 in place (the default: :func:`fp32keep.apply_fsdp2`).
+
+    A function that also takes an ``observed`` keyword gets what the reference's forward used
+    (a :class:`fp32keep.ParameterUse`, or ``None`` where nothing was observed): see
+    :func:`accepts_observed`.
+    """
 
     def __call__(
         self,
@@ -78,9 +85,25 @@ def default_shard(
     mp_policy: MixedPrecisionPolicy,
     plan: KeepPlan,
     wrap: WrapSpec | None,
+    observed: fp32keep.ParameterUse | None = None,
 ) -> object:
-    """``fp32keep``'s keep-aware FSDP2 wrapping."""
-    return fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=mp_policy, plan=plan, wrap=wrap)
+    """``fp32keep``'s keep-aware FSDP2 wrapping, laid out from what the reference's forward used
+    (``observed``) where that was observed."""
+    return fp32keep.apply_fsdp2(
+        model, mesh=mesh, mp_policy=mp_policy, plan=plan, wrap=wrap, observed=observed
+    )
+
+
+def accepts_observed(shard: Callable[..., object]) -> bool:
+    """Whether ``shard`` names an ``observed`` parameter (``default_shard``, a
+    ``functools.partial`` of :func:`fp32keep.apply_fsdp2`): the contract passes it the
+    observation then, and leaves any other function's signature alone."""
+    try:
+        parameters = inspect.signature(shard).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False
+    found = parameters.get("observed")
+    return found is not None and found.kind in (found.KEYWORD_ONLY, found.POSITIONAL_OR_KEYWORD)
 
 
 def default_load(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | None) -> object:
@@ -207,10 +230,11 @@ class Pass:
     """One forward and backward of ``model`` on ``batch`` under a dtype probe, as two steps.
 
     The contract agrees across ranks between :meth:`forward` and :meth:`backward`, so that a
-    crash in either is named as that step. The probe stays attached from the start of the
-    forward to the end of the backward (or to the crash that ends either). Both run with
-    torch's deterministic algorithms on (:func:`~.determinism.deterministic`), the caller's
-    setting restored after each.
+    crash in either is named as that step; :meth:`observe` runs an observed forward of its own
+    first, for the reference. The probe stays attached from the start of the forward to the end
+    of the backward (or to the crash that ends either). Both run with torch's deterministic
+    algorithms on (:func:`~.determinism.deterministic`), the caller's setting restored after
+    each.
     """
 
     def __init__(
@@ -232,6 +256,23 @@ class Pass:
         alert = cublas_alert(device)
         if alert is not None:
             self._alerts.append(alert)
+
+    def observe(self) -> fp32keep.ParameterUse:
+        """What a forward of the model (and its loss) uses, and where
+        (:func:`fp32keep.observe_parameter_use`): a forward of its own, before :meth:`forward`,
+        its output dropped and the random generators put back, so that the forward the checks
+        compare runs as if it had not happened (autocast's weight cache, off while observing,
+        changes how a weight used twice sums its gradient)."""
+        python_state = random.getstate()
+        cuda = [torch.cuda.current_device()] if self._device.type == "cuda" else []
+        with (
+            torch.random.fork_rng(devices=cuda),
+            fp32keep.observe_parameter_use(self.model) as used,
+            _context(self._autocast, self._device, self._dtype),
+        ):
+            _logits_and_loss(_call(self.model, self.batch), self._loss_fn)
+        random.setstate(python_state)
+        return used
 
     def forward(self) -> None:
         """Run the forward and compute the loss (the probe attached)."""

@@ -210,20 +210,33 @@ class Tokenizer(nn.Module):
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         return (self.proj(x.to(self.scale.dtype)) * self.scale).to(x.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - never called
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # EncodeStack never calls it
         return self.encode(x)
 
 
-class EncodeStack(nn.Module):
+class KeptBesideBlock(nn.Module):
+    """Embedding, one kept module (:attr:`kept_class`, as attribute :attr:`kept_name`, the keep
+    list's entry), a block, a head; subclasses say how their forward reaches the kept one."""
+
     _no_split_modules: ClassVar[list[str]] = ["Block"]
-    _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["tokenizer"]
+    kept_name: ClassVar[str]
+    kept_class: ClassVar[type[nn.Module]]
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._keep_in_fp32_modules_strict = [cls.kept_name]
 
     def __init__(self, width: int = 8, vocab: int = 16) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
-        self.tokenizer = Tokenizer(width)
+        self.add_module(self.kept_name, self.kept_class(width))
         self.block = Block(width)
         self.head = nn.Linear(width, vocab, bias=False)
+
+
+class EncodeStack(KeptBesideBlock):
+    kept_name = "tokenizer"
+    kept_class = Tokenizer
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.block(self.tokenizer.encode(self.embed(ids))))

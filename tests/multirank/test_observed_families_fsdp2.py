@@ -1,0 +1,144 @@
+"""Real families whose kept modules are reached without a plain call: what their forward is
+observed to use is exactly what their 2-rank contract needs (issue 22).
+
+For each family the facts are written down from its modeling source, not taken from the code
+under test: Voxtral's encoder adds ``embed_positions.weight`` and never calls the module;
+Apertus 1.5 runs its audio tokenizer through ``self.audio_tokenizer.encode(...)`` (its vision
+tokenizer has no forward of its own: its children are the units, and ``encode`` calls each);
+Kyutai's speech-to-text forward never runs its codec (``generate`` does). Each test checks that
+the observation of the family's own batch says that and nothing more, that the contract, laid
+out from it, passes, and (the negative control) that the same observation without the
+family's fact makes the sharded forward fail. Families only one Transformers line has skip with the
+reason there; Voxtral is the default tier's one family, the others are ``slow``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+import fp32keep
+from fp32keep.reads import called_methods
+from fp32keep.source_use import method_uses_parameters
+from pytest_fp32keep import assert_fp32_keep_contract
+from pytest_fp32keep.check.families import entries
+from pytest_fp32keep.check.families.batches import family_batch
+
+pytestmark = pytest.mark.fsdp2
+
+BF16 = torch.bfloat16
+POLICY = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
+
+
+def requires(family: str) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(
+        importlib.util.find_spec(f"transformers.models.{family}") is None,
+        reason=f"this Transformers release has no {family} family",
+    )
+
+
+def build(family: str) -> nn.Module:
+    return entries.build_family_model(family)
+
+
+def batch(model: nn.Module) -> dict[str, Any]:
+    return family_batch(model, 0)  # type: ignore[no-any-return]
+
+
+def observed_layout(family: str) -> tuple[nn.Module, fp32keep.ParameterUse, fp32keep.Layout]:
+    """The family cast for bf16, its forward on its own batch observed, and the layout from it."""
+    model = build(family)
+    plan = fp32keep.resolve_keep_plan(model, BF16)
+    fp32keep.keep_aware_cast(model, BF16, plan=plan)
+    inputs = batch(model)  # the builder runs parts of a copy of the model: not observed
+    with fp32keep.observe_parameter_use(model) as use, torch.autocast("cpu", dtype=BF16):
+        model(**inputs)
+    return model, use, fp32keep.plan_layout(model, plan, observed=use)
+
+
+def without(use: fp32keep.ParameterUse, model: nn.Module, prefix: str) -> fp32keep.ParameterUse:
+    """``use`` with every use of the parameters under ``prefix`` forgotten."""
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    stacks = {name: use.stacks(name) for name in use.used if not name.startswith(prefix)}
+    return fp32keep.ParameterUse(use.model_name, {n[0]: n for n in aliases.values()}, stacks)
+
+
+def contract(family: str, mesh: DeviceMesh) -> object:
+    return assert_fp32_keep_contract(
+        functools.partial(build, family), batch, mesh=mesh, dtype=BF16, autocast=True
+    )
+
+
+def assert_forgetting_crashes(family: str, mesh: DeviceMesh, prefix: str) -> None:
+    """Sharded from its observation minus every use of what ``prefix`` owns, the family's
+    forward meets a sharded parameter FSDP2 never gathered."""
+    model, use, _ = observed_layout(family)
+    inputs = batch(model)
+    fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=POLICY, observed=without(use, model, prefix))
+    with (
+        pytest.raises(Exception, match=r"mixed torch\.Tensor and DTensor"),
+        torch.autocast("cpu", dtype=BF16),
+    ):
+        model(**inputs)
+
+
+@requires("voxtral")
+def test_voxtral_observed_read_is_what_its_contract_needs(mesh: DeviceMesh) -> None:
+    model, use, layout = observed_layout("voxtral")
+    read = use.direct_read(model, "model.audio_tower.embed_positions")
+    assert read is not None
+    assert (read.reader, read.reader_fqn, read.expression, read.evidence) == (
+        "VoxtralEncoder",
+        "model.audio_tower",
+        "embed_positions.weight",
+        "observed in VoxtralEncoder.forward",
+    )
+    assert layout.replicated == ("model.audio_tower.embed_positions.weight",)
+    assert layout.forward_methods == {}
+    assert contract("voxtral", mesh).ok  # type: ignore[attr-defined]
+    # Negative control: forgetting the read makes embed_positions a unit never all-gathered.
+    assert_forgetting_crashes("voxtral", mesh, "model.audio_tower.embed_positions.")
+
+
+@pytest.mark.slow
+@requires("apertus1p5")
+def test_apertus_observed_encode_is_what_its_contract_needs(mesh: DeviceMesh) -> None:
+    *_, layout = observed_layout("apertus1p5")
+    assert layout.forward_methods == {"model.audio_tokenizer": ("encode",)}
+    assert layout.replicated == ()
+    assert contract("apertus1p5", mesh).ok  # type: ignore[attr-defined]
+    # Negative control: without its uses, encode is not gathered and meets sharded weights.
+    assert_forgetting_crashes("apertus1p5", mesh, "model.audio_tokenizer.")
+
+
+@pytest.mark.slow
+@requires("kyutai_speech_to_text")
+def test_kyutai_codec_is_not_gathered_around_its_pure_helper(mesh: DeviceMesh) -> None:
+    model, use, layout = observed_layout("kyutai_speech_to_text")
+    assert not any(name.startswith("codec_model.") for name in use.used)  # generate's, not ours
+    assert layout.forward_methods == {} and layout.replicated == ()
+    assert contract("kyutai_speech_to_text", mesh).ok  # type: ignore[attr-defined]
+    # Without an observation, the source: generate's encode runs the codec, its length helper
+    # does not (Mimi's convolution strides), so only encode becomes a collective.
+    codec = model.codec_model
+    assert called_methods(model, "codec_model") == ("encode",)
+    assert method_uses_parameters(codec, "encode")  # negative control of the judgement
+    assert not method_uses_parameters(codec, "get_encoded_length")
+    sharded = build("kyutai_speech_to_text")
+    fp32keep.keep_aware_cast(sharded, BF16)
+    fp32keep.apply_fsdp2(sharded, mesh=mesh, mp_policy=POLICY)
+    assert "encode" in vars(sharded.codec_model)
+    assert "get_encoded_length" not in vars(sharded.codec_model)
+    if dist.get_rank() == 0:  # a gathered helper would wait here for rank 1 forever
+        length = sharded.codec_model.get_encoded_length(torch.tensor(4800))
+        assert int(length) == int(codec.get_encoded_length(torch.tensor(4800)))
