@@ -29,6 +29,7 @@ from tests.plugin._inner import (
 INNER_TESTS = """
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -152,6 +153,18 @@ def test_slow_peer_after_an_early_finish(fsdp2_rank):
             sum(range(10_000))
 
 
+def test_idle_peer_after_an_early_finish(fsdp2_rank):
+    # Healthy, only idle: rank 1 sleeps 6 s after rank 0 finished, using no CPU at all.
+    if fsdp2_rank == 1:
+        time.sleep(6)
+
+
+def test_peer_waiting_on_a_child_process_after_an_early_finish(fsdp2_rank):
+    # Healthy: rank 1 waits 6 s for a child process (a build step, a converter, a server).
+    if fsdp2_rank == 1:
+        subprocess.run(["sleep", "6"], check=True)
+
+
 def test_unknown_fixture(no_such_fixture):
     pass
 
@@ -168,6 +181,16 @@ def test_return_while_peer_waits(fsdp2_rank):
 
 def test_ok_after_return():
     ok("after_return")
+
+
+def test_return_while_peer_waits_on_async_work(fsdp2_rank):
+    # Rank 1 waits in its own code on an all_reduce rank 0 never joins (the recorder sees it).
+    if fsdp2_rank == 1:
+        dist.all_reduce(torch.ones(1), async_op=True).wait()
+
+
+def test_ok_after_async_return():
+    ok("after_async_return")
 
 
 def test_destroys_the_process_group():
@@ -216,7 +239,7 @@ def test_faults_fail_and_every_later_test_passes(
 ) -> None:
     _, result = session
     result.assert_outcomes(
-        passed=15, failed=9, errors=2, xfailed=1
+        passed=18, failed=10, errors=2, xfailed=1
     )  # the destroying test passes its call, then errors at teardown
     result.stdout.fnmatch_lines_random(
         [
@@ -233,6 +256,9 @@ def test_faults_fail_and_every_later_test_passes(
             "PASSED test_faults.py::test_ok_after_marker_timeout",
             "PASSED test_faults.py::test_ok_last",
             "PASSED test_faults.py::test_slow_peer_after_an_early_finish",
+            "PASSED test_faults.py::test_idle_peer_after_an_early_finish",
+            "PASSED test_faults.py::test_peer_waiting_on_a_child_process_after_an_early_finish",
+            "PASSED test_faults.py::test_ok_after_async_return",
             "PASSED test_faults.py::test_ok_after_unknown_fixture",
         ]
     )
@@ -245,11 +271,11 @@ def test_each_fault_is_followed_by_fresh_ranks(
     by_test: dict[str, set[int]] = {}
     for record in project.records("ok"):
         by_test.setdefault(record["test"], set()).add(record["pid"])
-    assert len(by_test) == 13 and all(len(pids) == 2 for pids in by_test.values()), by_test
+    assert len(by_test) == 14 and all(len(pids) == 2 for pids in by_test.values()), by_test
     # A missing fixture is the test's error, not a fault of the ranks: they are kept.
     assert by_test.pop("after_unknown_fixture") == by_test["last"], by_test
     every_pid = [pid for pids in by_test.values() for pid in pids]
-    assert len(set(every_pid)) == 24, f"a group was reused after a fault: {by_test}"
+    assert len(set(every_pid)) == 26, f"a group was reused after a fault: {by_test}"
 
 
 def test_raise_while_peer_waits_reports_the_real_error_within_seconds(
@@ -361,8 +387,25 @@ def test_rank_that_returns_while_its_peer_waits_fails_within_seconds(
     text = section(session, "test_return_while_peer_waits")
     assert "no rank failed by itself: stuck after rank 0 finished" in text
     assert "did not finish within 3 s after rank 0 finished" in text
+    # what it was blocked in, as the rank itself saw it
+    assert "it was blocked in all_reduce (torch/distributed/distributed_c10d.py:" in text
     assert "in all_reduce" in text  # rank 1's stack
     reported_within(session[0], "test_return_while_peer_waits", RANK_FAULT_BOUND_S)
+
+
+def test_rank_waiting_on_async_work_its_peer_never_joins_fails_within_seconds(
+    session: tuple[InnerProject, pytest.RunResult],
+) -> None:
+    text = section(session, "test_return_while_peer_waits_on_async_work")
+    assert "no rank failed by itself: stuck after rank 0 finished" in text
+    # the Flight Recorder's pending collective, with its process group's ranks
+    assert re.search(
+        r"did not finish within 3 s after rank 0 finished: it was blocked in gloo:all_reduce "
+        r"\(collective #\d+ of process group '\w+'\), a collective of ranks 0,1 that rank 0 "
+        r"never joins; killed",
+        text,
+    ), text
+    reported_within(session[0], "test_return_while_peer_waits_on_async_work", RANK_FAULT_BOUND_S)
 
 
 def test_destroyed_process_group_is_reported_on_the_test_that_did_it(
@@ -394,6 +437,23 @@ def test_a_slow_but_healthy_peer_is_not_killed(
     project, _ = session
     wall = project.wall_times()["test_faults.py::test_slow_peer_after_an_early_finish"]
     assert wall >= 6, wall  # it ran to its end, past the 3 s grace, and passed
+
+
+@pytest.mark.parametrize(
+    "test",
+    [
+        "test_idle_peer_after_an_early_finish",
+        "test_peer_waiting_on_a_child_process_after_an_early_finish",
+    ],
+)
+def test_a_peer_idle_in_its_own_code_is_waited_for(
+    session: tuple[InnerProject, pytest.RunResult], test: str
+) -> None:
+    # It used no CPU for 6 s (the rule before issue 22 killed it after 3 s): it is not blocked
+    # in a collective, so it is waited for, and passes (test_faults_fail_and_every_later_...).
+    project, result = session
+    result.stdout.fnmatch_lines([f"PASSED test_faults.py::{test}"])
+    assert project.wall_times()[f"test_faults.py::{test}"] >= 6
 
 
 def test_no_process_left(session: tuple[InnerProject, pytest.RunResult]) -> None:
