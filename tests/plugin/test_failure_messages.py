@@ -10,6 +10,7 @@ they do on the wire. Then one real failure at 3 ranks: a known-wrong implementat
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -194,6 +195,8 @@ def test_a_traceback_only_of_library_frames_is_left_whole() -> None:
         ("/tmp/pytest-of-u/pytest-3/rank1/log.txt", "/tmp/pytest-of-u/pytest-4/rank0/log.txt"),
         ("/srv/run/rank_1/out.txt:12", "/srv/run/rank_0/out.txt:12"),
         ("connect to 127.0.0.1:29501 refused", "connect to 127.0.0.1:41377 refused"),
+        # a set of strings prints in hash order, which differs per process
+        ("taken      = {'layers.1', 'layers.0'}", "taken      = {'layers.0', 'layers.1'}"),
     ],
 )
 def test_merge_key_normalises_what_differs_between_ranks(one: str, other: str) -> None:
@@ -206,6 +209,7 @@ def test_merge_key_normalises_what_differs_between_ranks(one: str, other: str) -
         ("AssertionError: rank 1 is wrong", "AssertionError: rank 0 is wrong"),
         ("test_x.py:12: in check", "test_x.py:13: in check"),
         ("max |diff| 0.00806", "max |diff| 0.00807"),
+        ("taken = {'layers.0', 'layers.1'}", "taken = {'layers.0', 'layers.2'}"),
     ],
 )
 def test_merge_key_keeps_real_differences(one: str, other: str) -> None:
@@ -247,3 +251,68 @@ def test_one_contract_failure_at_three_ranks_is_one_traceback(tmp_path: Path) ->
         r"materialized\s+layers\.0\.wo\.weight \(call 0\)\s+float32\s+bfloat16\s+FAIL", text
     )
     assert len(lines) <= MAX_FAILURE_LINES, f"{len(lines)} lines:\n{text}"
+
+
+# --- one layout refusal at 2 ranks, read as users read it (--tb=long, --showlocals) ---------
+
+#: A model ``apply_fsdp2`` refuses (a kept parameter owned by the root module, BLIP-2's
+#: ``query_tokens``), with the plan in the test's locals, as a user's test has it.
+LAYOUT_REFUSAL = """
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+import fp32keep
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.norm(self.attn(x))
+
+
+class Toy(nn.Module):
+    _keep_in_fp32_modules_strict = ["query_tokens", "norm"]
+    _no_split_modules = ["Block"]
+
+    def __init__(self):
+        super().__init__()
+        self.query_tokens = nn.Parameter(torch.randn(2, 8))
+        self.layers = nn.ModuleList(Block() for _ in range(3))
+
+
+@pytest.mark.fsdp2
+def test_root_owned_kept_parameter_is_refused(fsdp2_mesh):
+    model = Toy()
+    plan = fp32keep.resolve_keep_plan(model, torch.bfloat16)
+    fp32keep.keep_aware_cast(model, torch.bfloat16, plan=plan)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    fp32keep.apply_fsdp2(model, mesh=fsdp2_mesh, mp_policy=policy, plan=plan)
+"""
+#: The most lines its failure section may take: one copy of the long traceback with locals
+#: (the test's frame, then apply_fsdp2's and plan_layout's source, about 265 lines) and the
+#: headline. Before issue 22 each rank printed its own copy (540 lines): the plan's repr listed
+#: its kept names in set order, which differs between processes (string hashes are salted
+#: per process), so the ranks' tracebacks never read the same.
+MAX_REFUSAL_LINES = 300
+
+
+def test_a_layout_refusal_at_two_ranks_is_one_traceback_even_with_locals(tmp_path: Path) -> None:
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONHASHSEED"}
+    files = {"test_refusal.py": LAYOUT_REFUSAL}
+    session = run_inner_session(tmp_path, files, "--tb=long", "-l", timeout=600, env=env)
+    assert session.returncode == 1, session.output[-6000:]
+    text = failure_section(session.output, "test_root_owned_kept_parameter_is_refused")
+    assert "fsdp2: call failed on ranks 0,1 of 2" in text
+    assert re.search(r"-+ ranks 0,1 \(root cause: first to fail\) -+", text), text
+    assert "plan       = KeepPlan(" in text  # the locals are shown, the plan among them
+    assert text.count("def plan_layout(") == 1, text  # the library's source once, not per rank
+    assert text.count("E           fp32keep.errors.KeepLayoutError: FSDP2 cannot keep") == 1
+    assert "query_tokens  [root-owned] is kept (float32)" in text
+    lines = text.splitlines()
+    assert len(lines) <= MAX_REFUSAL_LINES, f"{len(lines)} lines:\n{text}"
