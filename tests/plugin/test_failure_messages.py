@@ -27,6 +27,7 @@ from pytest_fp32keep.contract.master import validate_master_dtype
 from pytest_fp32keep.contract.report import Finding
 from pytest_fp32keep.runner import reports
 from pytest_fp32keep.runner.tracebacks import hide_library_frames, merge_key
+from tests.contract.tables import table_rows
 from tests.inner_outcomes import run_inner_session
 from tests.plugin._inner import failure_section
 from tests.plugin.test_units import INFO  # the same test item the runner's unit tests report
@@ -74,17 +75,26 @@ def test_violation_is_one_table_then_what_to_do_per_failing_kind() -> None:
         Finding("crashed", "backward", "no exception", "RuntimeError: boom", False),
     )
     lines = text.splitlines()
-    # the headline the negative controls parse is unchanged
-    assert lines[0] == (
+    # the headline the negative controls parse, wrapped to fit 100 columns as pytest prints it
+    # (after "E", the raise's indentation and "pytest_fp32keep.ContractViolation: ")
+    assert " ".join(line.strip() for line in lines[:2]) == (
         "FP32-keep contract broken for Decoder at bfloat16 (autocast): "
         "materialized, operators, crashed"
     )
-    assert re.match(r"check\s+subject\s+expected\s+observed$", lines[1])
+    assert lines[1].startswith("  ")  # a continuation
+    assert re.match(r"check\s+subject\s+expected\s+observed$", lines[2])
     assert re.search(
         r"materialized\s+layers\.0\.wo\.weight \(call 0\)\s+float32\s+bfloat16\s+FAIL", text
     )
-    assert "inputs (»float32«, float32) -> float32" in text
-    assert "inputs (»bfloat16«, bfloat16) -> bfloat16" in text
+    # the long pair marked where it differs, wrapped within its columns to fit the width
+    assert not any("inputs (»float32«, float32) -> float32" in line for line in lines)  # wrapped
+    operators = next(row for row in table_rows(text) if row["check"] == "operators")
+    assert operators == {
+        "check": "operators",
+        "subject": "layers.0.wo call 0 op #1 aten.mm.default",
+        "expected": "inputs (»float32«, float32) -> float32",
+        "observed": "inputs (»bfloat16«, bfloat16) -> bfloat16",
+    }, text
     assert "parity" not in text.split("what to do:")[0].split("\n", 1)[1]  # passing rows not shown
     advice = text.split("what to do:\n", 1)[1].splitlines()
     firsts = [line for line in advice if not line.startswith("    ")]
@@ -94,8 +104,55 @@ def test_violation_is_one_table_then_what_to_do_per_failing_kind() -> None:
         "crashed",
     ]
     assert "param_dtype=None (fp32keep.apply_fsdp2 does)" in " ".join(" ".join(advice).split())
-    assert max(len(line) for line in advice) <= 96  # wrapped, continuation lines indented
+    assert max(len(line) for line in lines) <= 88  # 100 columns behind pytest's "E" and indent
     assert text.count("what to do:") == 1
+
+
+#: One kept unit gathered in bf16, as the wrong fix "kept units with the caller's policy" does:
+#: the gather fails, then the operators it feeds, then logits, loss and the gradients.
+GATHERED_LOW = (
+    Finding("parity", "logits", "bfloat16 bit-identical", "max |diff| 0.0312", False),
+    Finding("parity", "loss", "float32 bit-identical", "max |diff| 0.00024", False),
+    *(
+        Finding("parity", f"grad layers.{i}.wo.weight", "bit-identical (control)", "3e-03", False)
+        for i in range(10)
+    ),
+    Finding(
+        "operators",
+        "layers.0.wo call 0 op #1 aten.mm.default",
+        "aten._to_copy.default(float32) -> bfloat16; aten.mm.default(bfloat16, bfloat16) -> "
+        "bfloat16; aten.add.Tensor(float32) -> float32",
+        "aten._to_copy.default(float32) -> bfloat16; aten.mm.default(bfloat16, bfloat16) -> "
+        "bfloat16; aten.add.Tensor(bfloat16) -> bfloat16",
+        False,
+    ),
+    Finding("materialized", "layers.0.wo.weight (call 0)", "float32", "bfloat16", False),
+)
+
+
+def test_the_cause_leads_and_the_parity_rows_it_explains_fold_into_one_line() -> None:
+    report = ContractReport("Decoder", torch.bfloat16, "autocast", (), GATHERED_LOW)
+    text = str(ContractViolation(report))
+    rows = text.split("what to do:")[0].splitlines()[3:]  # after the headline's 2 lines, header
+    # found last, listed first: the contract's order puts the cause before what follows from it
+    assert rows[0].startswith("materialized  layers.0.wo.weight (call 0)"), text
+    assert [row.split()[0] for row in rows if row.endswith("FAIL")] == [
+        "materialized",
+        "operators",
+    ]
+    assert (
+        "12 parity rows follow from the materialized failure above (logits, loss, 12 gradients)"
+        not in text
+    )
+    assert "12 parity rows follow from the materialized failure above (logits, loss, 10" in text
+    assert not re.search(r"^parity\s", text, flags=re.M)  # no parity row of its own
+    assert len(report.failures) == 14 and '"check": "parity"' in report.to_json()  # all kept
+    assert max(len(line) for line in text.splitlines()) <= 88
+    # negative control: with nothing earlier failing, parity rows are the cause and show whole
+    alone = ContractReport("Decoder", torch.bfloat16, "autocast", (), GATHERED_LOW[:12])
+    shown = str(ContractViolation(alone))
+    assert "follow from" not in shown
+    assert len(re.findall(r"^parity\s", shown, flags=re.M)) == 12
 
 
 def test_every_check_kind_has_a_what_to_do_line() -> None:
@@ -222,12 +279,14 @@ def test_merge_key_keeps_real_differences(one: str, other: str) -> None:
 WRONG = "test_kept_units_with_the_callers_bf16_policy"
 #: The most lines the failure section of one contract failure may take at 3 ranks: one copy of
 #: the traceback (about 15 lines: the test's frame with its argument, the helper's frame), the
-#: violation's headline, table header and rows (27 for this failure: 4 materialized, 8
-#: operators, 14 parity; a few more where cells wrap) and the what-to-do block (1 + about 3
-#: wrapped lines per kind: 10), plus titles, separators and blank lines. Two copies of the table
-#: alone (2 x 27) plus one traceback would exceed it; before issue 14 the section was 493 lines,
-#: now 50.
+#: violation's headline, table header and rows (this failure: 4 materialized, 8 operators, the
+#: operators' cells wrapped to fit 100 columns, and its 14 parity rows folded into one line) and
+#: the what-to-do block (1 + about 3 wrapped lines per kind: 10), plus titles, separators and
+#: blank lines. Two copies of the table plus one traceback would exceed it; before issue 14 the
+#: section was 493 lines, 50 after it (214 columns wide), MEASURED after issue 22.
 MAX_FAILURE_LINES = 80
+#: The widest line of it: the terminal's 100 columns (issue 22; it was 214).
+MAX_FAILURE_COLUMNS = 100
 
 
 def test_one_contract_failure_at_three_ranks_is_one_traceback(tmp_path: Path) -> None:
@@ -245,11 +304,19 @@ def test_one_contract_failure_at_three_ranks_is_one_traceback(tmp_path: Path) ->
     assert "pytest_fp32keep/contract/" not in text, text  # the contract's own frames hidden
     assert "check(fsdp2_mesh, shard=shard_kept_with(lambda p: p))" in text  # the user's line
     assert "what to do:" in text and "materialized: kept parameters were all-gathered" in text
-    # the headline the negative controls parse, and their table row, as before
+    # the headline the negative controls parse (its end), and their table row, as before
     assert "): materialized, operators, parity\n" in text
     assert re.search(
         r"materialized\s+layers\.0\.wo\.weight \(call 0\)\s+float32\s+bfloat16\s+FAIL", text
     )
+    # the cause leads the table; the parity rows it explains are one line
+    header = next(i for i, line in enumerate(lines) if re.match(r"E\s+check\s+subject", line))
+    assert re.match(r"E\s+materialized\s", lines[header + 1]), text
+    assert re.search(r"E\s+\d+ parity rows follow from the materialized failure above", text)
+    assert not re.search(r"^E\s+parity\s+(logits|loss|grad)", text, flags=re.M), text
+    ours = [line for line in lines if not line.startswith("- generated xml file:")]  # junitxml's
+    widest = max(len(line) for line in ours)
+    assert widest <= MAX_FAILURE_COLUMNS, f"{widest} columns:\n{text}"
     assert len(lines) <= MAX_FAILURE_LINES, f"{len(lines)} lines:\n{text}"
 
 
