@@ -212,20 +212,26 @@ def waiting(nodeid: str, wait: dict[str, Any] | None) -> Message:
     return {"type": WAITING, "nodeid": nodeid, "wait": wait}
 
 
+def rank_warning(text: str, filename: str, lineno: int) -> dict[str, Any]:
+    """One warning of a test in a rank (``"UserWarning: message"``) and where it was raised."""
+    return {"text": text, "filename": filename, "lineno": lineno}
+
+
 def done(
     nodeid: str,
     notes: list[str],
     *,
     problems: list[str] | None = None,
-    warnings: list[str] | None = None,
+    warnings: list[dict[str, Any]] | None = None,
     broken: bool = False,
 ) -> Message:
     """The test finished on this rank.
 
     ``notes`` are rank-side remarks for the report; ``problems`` make the test an error on this
     rank (a fixture kept from an earlier test failed to tear down, the test destroyed the
-    process group); ``warnings`` go to the parent's warnings summary; ``broken`` says that the
-    ranks cannot take another test.
+    process group); ``warnings`` (:func:`rank_warning`) go to the parent's warnings summary, at
+    the file and line where the rank raised them; ``broken`` says that the ranks cannot take
+    another test.
     """
     return {
         "type": DONE,

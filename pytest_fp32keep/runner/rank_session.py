@@ -83,7 +83,7 @@ class RankSessionPlugin:
         self._current: str | None = None
         self._collection_errors: list[str] = []
         self._numpy_seed: Any = _numpy_seed_function()
-        self._warnings: list[str] = []  # the current test's, for the parent's summary
+        self._warnings: list[dict[str, Any]] = []  # the current test's, for the parent's summary
         self._spill_dir = spill_dir
 
     @pytest.hookimpl(tryfirst=True)
@@ -162,10 +162,15 @@ class RankSessionPlugin:
             self._watch.end()
             self._current = None
         if defaults is not None and (changed := defaults.restore()):
+            path, line = item.reportinfo()[:2]
             self._warnings.append(
-                f"{nodeid} changed {', '.join(changed)} and did not restore it; the plugin "
-                "restored it so that later tests in these ranks are not affected (restore it "
-                "in the test, e.g. with a fixture, to silence this)"
+                protocol.rank_warning(
+                    f"{nodeid} changed {', '.join(changed)} and did not restore it; the plugin "
+                    "restored it so that later tests in these ranks are not affected (restore "
+                    "it in the test, e.g. with a fixture, to silence this)",
+                    str(path),
+                    (line or 0) + 1,  # where the test is defined
+                )
             )
         broken = process_group_problem()
         if broken is not None:
@@ -179,12 +184,16 @@ class RankSessionPlugin:
     def pytest_warning_recorded(
         self, warning_message: warnings.WarningMessage, when: str, nodeid: str
     ) -> None:
-        """Keep the current test's warnings for the parent's warnings summary."""
+        """Keep the current test's warnings for the parent's warnings summary, with the place
+        they were raised (the parent reissues them there)."""
         if self._current is not None and when == "runtest":
             category = warning_message.category.__name__
             self._warnings.append(
-                f"{category}: {warning_message.message} "
-                f"({warning_message.filename}:{warning_message.lineno})"
+                protocol.rank_warning(
+                    f"{category}: {warning_message.message}",
+                    warning_message.filename,
+                    warning_message.lineno,
+                )
             )
 
 

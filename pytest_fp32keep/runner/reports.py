@@ -106,7 +106,7 @@ class RankOutcome:
     finished: bool = False
     fault: RankFault | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
-    warnings: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # rank_warning
 
     def phase(self, when: Phase) -> pytest.TestReport | None:
         """This rank's report for ``when``, if it made one."""
