@@ -87,12 +87,18 @@ def test_a_differing_input_dtype_is_named_in_the_message() -> None:
     ]
     report = ContractReport("Holder", BF16, "direct", (), tuple(findings))
     message = str(ContractViolation(report))
-    row = next(line for line in message.splitlines() if line.startswith("operators"))
-    # the message may mark where a long pair differs (»like this«): read the pair without marks
-    row = row.replace("\u00bb", "").replace("\u00ab", "")
-    assert "tail call 0 op #3 aten.add.Tensor" in row
-    assert "inputs (float32, float32) -> float32" in row
-    assert "inputs (float32, bfloat16) -> float32" in row
+    # the row's cells, read back whole (the table wraps them to fit 100 columns); the message
+    # may mark where a long pair differs (»like this«): read the pair without marks
+    (cells,) = table_rows(message)
+    row = {
+        column: cell.replace("\u00bb", "").replace("\u00ab", "") for column, cell in cells.items()
+    }
+    assert row == {
+        "check": "operators",
+        "subject": "tail call 0 op #3 aten.add.Tensor",
+        "expected": "inputs (float32, float32) -> float32",
+        "observed": "inputs (float32, bfloat16) -> float32",
+    }, message
 
 
 def test_operators_are_aligned_by_name_and_extra_ones_listed() -> None:
