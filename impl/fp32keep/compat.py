@@ -28,6 +28,7 @@ import torch
 from packaging.version import Version
 
 from fp32keep.errors import KeepDeclarationError
+from fp32keep.reprs import dataclass_repr
 
 Group = Literal["A", "B", "C"]
 ListKind = Literal["regular", "strict"]
@@ -64,6 +65,10 @@ class KeepSemantics:
     lists_only: bool
     validates_entries: bool
     reads_dtype_plan: bool = False
+
+    def __repr__(self) -> str:
+        # Sorted: dtypes hash by address, so set order differs between ranks (fp32keep.reprs).
+        return dataclass_repr(self)
 
     @property
     def match_rule(self) -> str:

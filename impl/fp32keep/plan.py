@@ -21,6 +21,7 @@ from fp32keep.compat import (
     semantics_for,
 )
 from fp32keep.errors import KeepDeclarationError
+from fp32keep.reprs import dataclass_repr
 from fp32keep.tensors import TensorSlot, check_float_dtype, is_castable_float, join, tensor_slots
 
 
@@ -70,6 +71,10 @@ class KeepPlan:
     matches: Mapping[str, KeepMatch] = field(repr=False)
     model_name: str = "model"
     declared_by: tuple[str, ...] = ("",)
+
+    def __repr__(self) -> str:
+        # Sorted: the same plan must print the same on every rank (fp32keep.reprs).
+        return dataclass_repr(self)
 
     @property
     def names(self) -> frozenset[str]:

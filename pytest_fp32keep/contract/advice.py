@@ -2,7 +2,8 @@
 
 Pure text functions used by :class:`~pytest_fp32keep.contract.report.ContractViolation`'s
 message: :func:`differing_part` shows where a long expected/observed pair starts to differ (the
-common prefix elided with ``"…"``, the first differing element marked ``»like this«``), and
+common prefix elided with ``"…"``, the first differing element marked ``»like this«``),
+:func:`follow_from` folds the parity rows that an earlier failure explains into one line, and
 :func:`what_to_do` gives one line per failing check kind with the likely cause and the fix in
 this project's terms. Nothing here judges anything; the checks do.
 """
@@ -11,15 +12,20 @@ from __future__ import annotations
 
 import re
 import textwrap
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Final
 
 #: A pair whose two cells together are at least this long is "long": worth pointing into.
 LONG_PAIR: Final = 40
 #: A common prefix longer than this is elided (``"…"`` plus the separator before the difference).
 ELIDE_PREFIX: Final = 24
-#: The "what to do" lines are wrapped this wide (a terminal's, and pytest's "E   " prefix).
-ADVICE_WIDTH: Final = 96
+#: The violation's message is laid out this wide (its table, the folded rows, what to do). pytest
+#: prints each line after ``"E"`` and the indentation of the line that raised it (12 columns for
+#: the contract's ``raise``; 4 with ``--tb=short``): the whole fits 100 columns.
+MESSAGE_WIDTH: Final = 88
+#: The failing checks that explain failing parity rows: a tensor stored, gathered or fed in the
+#: wrong dtype changes the logits, the loss and the gradients after it.
+PARITY_CAUSES: Final = ("stored", "materialized", "boundary", "operators")
 #: The marks around the first differing element of a long pair.
 MARK_OPEN: Final = "»"
 MARK_CLOSE: Final = "«"
@@ -104,7 +110,24 @@ def _marked(pieces: list[str], start: int) -> str:
     return prefix + "".join(rest)
 
 
-def what_to_do(kinds: Iterable[str], width: int = ADVICE_WIDTH) -> list[str]:
+def follow_from(
+    cause: str, parity_subjects: Sequence[str], width: int = MESSAGE_WIDTH
+) -> list[str]:
+    """One wrapped entry saying that ``parity_subjects`` (logits, loss, ``grad NAME``) fail
+    because ``cause`` failed, and where every row is."""
+    grads = sum(1 for subject in parity_subjects if subject.startswith("grad "))
+    outputs = [subject for subject in parity_subjects if not subject.startswith("grad ")]
+    parts = [*outputs, *([f"{grads} gradient{'s' if grads != 1 else ''}"] if grads else [])]
+    rows = len(parity_subjects)
+    text = (
+        f"{rows} parity row{'s' if rows != 1 else ''} follow{'' if rows != 1 else 's'} from the "
+        f"{cause} failure above ({', '.join(parts)}): fix it first; violation.report.failures "
+        "(or report.to_json()) holds every row"
+    )
+    return textwrap.wrap(text, width, subsequent_indent="  ", break_on_hyphens=False)
+
+
+def what_to_do(kinds: Iterable[str], width: int = MESSAGE_WIDTH) -> list[str]:
     """``"what to do:"`` then one ``"  KIND: cause; fix"`` entry per failing kind, in order,
     each wrapped at ``width`` columns (its continuation lines indented by four spaces)."""
     lines: list[str] = []

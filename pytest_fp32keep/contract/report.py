@@ -7,13 +7,23 @@ summary and JSON) and the assertion error that carries it (:class:`ContractViola
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import json
+import textwrap
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import torch
 
-from pytest_fp32keep.contract.advice import differing_part, what_to_do
+from pytest_fp32keep.contract.advice import (
+    MESSAGE_WIDTH,
+    PARITY_CAUSES,
+    differing_part,
+    follow_from,
+    what_to_do,
+)
 from pytest_fp32keep.contract.probe import dtype_name
 
 CheckName = Literal[
@@ -31,20 +41,82 @@ CHECKS: tuple[CheckName, ...] = (
 
 #: The widest a column of :meth:`ContractReport.table` gets; longer cells wrap.
 CELL_WIDTH = 70
+#: Fitting a table into a width narrows its widest columns, down to this (a check's name fits).
+MIN_CELL_WIDTH = 12
+_GAP = "  "
 
 
 def _wrap(cell: str, width: int) -> list[str]:
     """``cell`` in lines of at most ``width`` characters, broken after ``"; "`` or a space where
-    possible; only the spaces at the breaks are dropped."""
+    possible, else after a ``.``, ``,``, ``(`` or ``/`` inside a long name; only the spaces at
+    the breaks are dropped."""
     lines: list[str] = []
     while len(cell) > width:
-        cut = max(cell.rfind("; ", 0, width - 1) + 2, cell.rfind(" ", 0, width) + 1)
+        # A break keeps the line within width once the spaces at it are dropped.
+        cut = max(cell.rfind("; ", 0, width) + 2, cell.rfind(" ", 0, width + 1) + 1)
+        if cut <= 1:
+            cut = max(cell.rfind(mark, 0, width) + 1 for mark in ".,(/")
         if cut <= 1:
             cut = width
         lines.append(cell[:cut].rstrip())
         cell = cell[cut:]
     lines.append(cell)
     return lines
+
+
+@functools.lru_cache(maxsize=4096)
+def _line_count(cell: str, width: int) -> int:
+    return len(_wrap(cell, width))
+
+
+def _column_widths(cells: Sequence[tuple[str, ...]], width: int | None) -> list[int]:
+    """Each column's width: its longest cell, at most CELL_WIDTH. With ``width``, and rows
+    wider than it, the columns share ``width`` (none below MIN_CELL_WIDTH) the way that wraps
+    the fewest rows, then the fewest lines (ties: the earlier columns wider): a short row
+    stays on one line when a long one has to wrap anyway."""
+    columns = len(cells[0])
+    natural = [min(max(len(row[i]) for row in cells), CELL_WIDTH) for i in range(columns)]
+    room = None if width is None else width - len(_GAP) * (columns - 1)
+    if room is None or sum(natural) <= room:
+        return natural
+    flexible = [i for i in range(columns) if natural[i] > MIN_CELL_WIDTH]
+    fixed = sum(natural[i] for i in range(columns) if i not in flexible)
+
+    rows = collections.Counter(cells)
+
+    def cost(widths: list[int]) -> tuple[int, int]:
+        heights = [
+            (count, max(_line_count(cell, w) for cell, w in zip(row, widths, strict=True)))
+            for row, count in rows.items()
+        ]
+        wrapped = sum(count for count, height in heights if height > 1)
+        return wrapped, sum(count * height for count, height in heights)
+
+    best: tuple[tuple[int, int], list[int]] | None = None
+    for shares in _shares([natural[i] for i in flexible], room - fixed):
+        widths = list(natural)
+        for i, share in zip(flexible, shares, strict=True):
+            widths[i] = share
+        score = cost(widths)
+        if best is None or score < best[0]:
+            best = (score, widths)
+    return best[1] if best is not None else natural
+
+
+def _shares(caps: list[int], room: int) -> Iterator[list[int]]:
+    """Every way to give each column MIN_CELL_WIDTH..cap that fills ``room`` (the last column
+    takes what is left), the earlier columns' widest first; all at the minimum if none fits."""
+    if len(caps) == 1:
+        yield [max(MIN_CELL_WIDTH, min(caps[0], room))]
+        return
+    rest_min = MIN_CELL_WIDTH * (len(caps) - 1)
+    top = min(caps[0], room - rest_min)
+    if top < MIN_CELL_WIDTH:
+        yield [MIN_CELL_WIDTH] * len(caps)
+        return
+    for first in range(top, MIN_CELL_WIDTH - 1, -1):
+        for rest in _shares(caps[1:], room - first):
+            yield [first, *rest]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,16 +197,25 @@ class ContractReport:
         ran = {f.check for f in self.findings}
         return {check: ok if check in ran else None for check, ok in self.status().items()}
 
-    def table(self, *, failures_only: bool = False, highlight: bool = False) -> str:
-        """A readable text table of the findings.
+    def table(
+        self,
+        *,
+        failures_only: bool = False,
+        highlight: bool = False,
+        findings: Sequence[Finding] | None = None,
+        width: int | None = None,
+    ) -> str:
+        """A readable text table of the findings (``findings``: these rows instead).
 
-        Columns are at most :data:`CELL_WIDTH` characters wide; a longer cell continues on the
-        next lines of its row, so nothing a finding says is cut off. With ``highlight`` (the
-        violation's message), a long expected/observed pair shows where it differs: the common
-        prefix elided with ``"…"``, the first differing element marked ``»like this«``
+        Columns are at most :data:`CELL_WIDTH` characters wide, and with ``width`` the widest
+        ones narrow until a line fits in it; a longer cell continues on the next lines of its
+        row, so nothing a finding says is cut off. With ``highlight`` (the violation's
+        message), a long expected/observed pair shows where it differs: the common prefix
+        elided with ``"…"``, the first differing element marked ``»like this«``
         (:func:`~pytest_fp32keep.contract.advice.differing_part`).
         """
-        rows = [f for f in self.findings if not (failures_only and f.ok)]
+        chosen = self.findings if findings is None else findings
+        rows = [f for f in chosen if not (failures_only and f.ok)]
         header = ("check", "subject", "expected", "observed", "")
         cells = [header]
         for f in rows:
@@ -142,12 +223,12 @@ class ContractReport:
                 differing_part(f.expected, f.observed) if highlight else (f.expected, f.observed)
             )
             cells.append((f.check, f.subject, expected, observed, "ok" if f.ok else "FAIL"))
-        widths = [min(max(len(row[i]) for row in cells), CELL_WIDTH) for i in range(len(header))]
+        widths = _column_widths(cells, width)
         lines: list[str] = []
         for row in cells:
             pieces = [_wrap(cell, width) for cell, width in zip(row, widths, strict=True)]
             for k in range(max(len(p) for p in pieces)):
-                line = "  ".join(
+                line = _GAP.join(
                     (p[k] if k < len(p) else "").ljust(width)
                     for p, width in zip(pieces, widths, strict=True)
                 )
@@ -189,24 +270,51 @@ class ContractReport:
         return json.dumps(self.to_dict(), indent=2)
 
 
+def _order(kind: str) -> int:
+    """A check's place in the contract's order (:data:`CHECKS`); anything else after it."""
+    return CHECKS.index(kind) if kind in CHECKS else len(CHECKS)
+
+
 class ContractViolation(AssertionError):
     """The FP32-keep contract does not hold; ``report`` holds every finding.
 
-    The message: the headline ``FP32-keep contract broken for MODEL at DTYPE (CONTEXT): KINDS``,
-    one table of the failing findings (check, subject, expected, observed; long pairs show
-    where they differ), then ``what to do:`` with one line per failing kind (cause and fix).
+    The message, laid out to fit 100 columns as pytest prints it: the headline
+    ``FP32-keep contract broken for MODEL at DTYPE (CONTEXT): KINDS`` (every failing kind, in
+    the order of :data:`CHECKS`; wrapped, continuation lines indented); one table of the
+    failing findings in that order, so that the cause leads (check, subject, expected,
+    observed; long pairs show where they differ; long cells wrap); the parity rows an earlier
+    failure explains folded into one line
+    (:func:`~pytest_fp32keep.contract.advice.follow_from`; every row stays in
+    ``report.failures``); then ``what to do:`` with one line per failing kind.
     """
 
     def __init__(self, report: ContractReport) -> None:
         self.report = report
-        failed = sorted(
-            {f.check for f in report.failures},
-            key=lambda kind: (CHECKS.index(kind) if kind in CHECKS else len(CHECKS), kind),
-        )
-        lines = [
+        failures = sorted(report.failures, key=lambda f: _order(f.check))  # stable: cause first
+        failed = sorted({f.check for f in failures}, key=lambda kind: (_order(kind), kind))
+        causes = [kind for kind in failed if kind in PARITY_CAUSES]
+        shown = [f for f in failures if not (causes and f.check == "parity")]
+        folded = [f.subject for f in failures if causes and f.check == "parity"]
+        # pytest prints the first line after "pytest_fp32keep.ContractViolation: ".
+        before = " " * len(f"{type(self).__module__}.{type(self).__qualname__}: ")
+        headline = textwrap.wrap(
             f"FP32-keep contract broken for {report.model_name} at {dtype_name(report.dtype)} "
             f"({report.context}): {', '.join(failed)}",
-            report.table(failures_only=True, highlight=True),
+            MESSAGE_WIDTH,
+            initial_indent=before,
+            subsequent_indent="  ",
+            break_on_hyphens=False,
+        )
+        lines = [
+            headline[0].removeprefix(before),
+            *headline[1:],
+            report.table(highlight=True, findings=shown, width=MESSAGE_WIDTH),
+            *(follow_from(causes[0], folded) if folded else []),
             *what_to_do(failed),
         ]
         super().__init__("\n".join(lines))
+
+
+# Raised to users as the public name (``pytest_fp32keep.ContractViolation``, which is also how
+# pytest prints it: shorter than this module's path, and it leaves the headline room).
+ContractViolation.__module__ = "pytest_fp32keep"

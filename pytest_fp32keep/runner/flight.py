@@ -1,9 +1,10 @@
 """One test in flight on one group of ranks: the bounded wait loop and what it learned.
 
 The controller sends the test to every rank, then :meth:`Flight.run` waits until each rank
-answered or is lost: a timeout (``--fsdp-timeout``), a rank that left early while the others do
-not answer within :data:`FAILURE_GRACE_S` (taken to be stuck in a collective), a rank that died,
-or torchrun gone. :meth:`Flight.collect_faults` then turns what is known into one
+answered or is lost: a timeout (``--fsdp-timeout``), a rank that left early while the others
+are stuck in a collective it never joins (:mod:`pytest_fp32keep.runner.stuck` judges, from what
+the ranks say they are blocked in), a rank that died, or torchrun gone.
+:meth:`Flight.collect_faults` then turns what is known into one
 :class:`~pytest_fp32keep.runner.reports.RankFault` per rank that did not finish.
 """
 
@@ -18,21 +19,16 @@ import pytest
 
 from pytest_fp32keep.runner import protocol, reports
 from pytest_fp32keep.runner.launcher import RankExit, RankGroup
-from pytest_fp32keep.runner.processes import cpu_seconds
+from pytest_fp32keep.runner.stuck import (
+    FAILURE_GRACE_S,
+    PROGRESS_SAMPLE_S,
+    CpuProgress,
+    Departure,
+    StuckRank,
+    judge_blocked,
+)
+from pytest_fp32keep.runner.waits import Blocked
 
-#: After one rank left the test early (failed, skipped, xfailed, or finished), how long the
-#: others may go without progress before they count as stuck (typically in a collective the
-#: first one never reached, where a rank uses no CPU).
-FAILURE_GRACE_S: Final = 3.0
-#: A waiting rank that used this much CPU since the last sample is making progress (computing,
-#: printing a lot): a slow or loaded peer, not a stuck one. A rank blocked in a gloo collective
-#: uses about 0.01 s in 4 s (measured, torch 2.13).
-PROGRESS_CPU_S: Final = 0.05
-#: How often the CPU time of the waiting ranks is sampled after one left early.
-PROGRESS_SAMPLE_S: Final = 0.5
-#: However busy, a peer gets at most this long after the first rank left (a rank that spins
-#: while it waits, as a CUDA synchronisation can, is stuck all the same).
-PROGRESS_CAP_S: Final = 120.0
 #: After one rank dies, how long torchrun gets to stop the others and report exit codes.
 DEATH_GRACE_S: Final = 5.0
 #: How often the wait loop wakes up without news (to look at torchrun and the clock).
@@ -61,7 +57,10 @@ class Flight:
         self.stop_detail = ""
         self.timeout = 0.0
         self.group_broken = False  # a rank said its process group cannot serve another test
-        self.busy_for = 0.0  # how long waiting ranks kept making progress after the first left
+        self.departures: dict[int, Departure] = {}  # ranks that left early: when, how
+        self.blocked: dict[int, Blocked] = {}  # what each running rank said it is blocked in
+        self.stuck: dict[int, StuckRank] = {}  # the verdict, for ranks that could report
+        self.busy_for = 0.0  # ranks judged by CPU time: how long they computed after one left
 
     @property
     def broken(self) -> bool:
@@ -88,20 +87,16 @@ class Flight:
         start = time.monotonic()
         failure_seen: float | None = None
         death_seen: float | None = start if self.ended_at else None
-        progress = _Progress({rank: handle.pid for rank, handle in self.group.ranks.items()})
+        progress = CpuProgress({rank: handle.pid for rank, handle in self.group.ranks.items()})
         try:
             while self._waiting():
                 now = time.monotonic()
                 if now >= start + timeout:
                     self.stop = _Stop.TIMEOUT
                     break
-                if failure_seen is not None:
-                    progress.sample(self._waiting(), now)
-                    quiet_since = max(failure_seen, progress.last_progress or failure_seen)
-                    if now >= quiet_since + FAILURE_GRACE_S or now >= failure_seen + PROGRESS_CAP_S:
-                        self.busy_for = quiet_since - failure_seen
-                        self.stop = _Stop.AFTER_EARLY_EXIT
-                        break
+                if failure_seen is not None and self._peers_stuck(progress, failure_seen, now):
+                    self.stop = _Stop.AFTER_EARLY_EXIT
+                    break
                 if death_seen is not None and now >= death_seen + DEATH_GRACE_S:
                     self.stop = _Stop.AFTER_DEATH
                     break
@@ -129,6 +124,20 @@ class Flight:
         finally:
             selector.close()
 
+    def _peers_stuck(self, progress: CpuProgress, failure_seen: float, now: float) -> bool:
+        """Whether the ranks still running are stuck after one left (``stuck`` judges)."""
+        running = self._waiting()
+        handles = self.group.ranks
+        if all(handles[rank].observes for rank in running if rank in handles):
+            verdict = judge_blocked(running, self.blocked, self.departures, time.time())
+            self.stuck = verdict or {}
+            return verdict is not None
+        busy_for = progress.stuck(running, failure_seen, now)
+        if busy_for is None:
+            return False
+        self.busy_for = busy_for
+        return True
+
     def _drain(self, selector: selectors.BaseSelector) -> None:
         for key, _ in selector.select(0):
             self._read(int(key.data), key.fileobj, selector)  # type: ignore[arg-type]
@@ -153,14 +162,21 @@ class Flight:
                 )
                 outcome.reports.append(report)
                 if not report.passed and rank not in self.left_early:
-                    self.left_early[rank] = (
+                    how = (
                         "failed"
                         if report.failed
                         else "xfailed"
                         if hasattr(report, "wasxfail")
                         else "skipped"
                     )
+                    self._left(rank, how)
                     failed = True
+            elif kind == protocol.WAITING:
+                wait = message.get("wait")
+                if wait is None:
+                    self.blocked.pop(rank, None)
+                else:
+                    self.blocked[rank] = Blocked.from_message(wait)
             elif kind == protocol.DONE:
                 outcome.finished = True
                 outcome.notes += list(message.get("notes", []))
@@ -177,14 +193,19 @@ class Flight:
                         "error", "\n".join(problems), summary=problems[0].split("\n")[0],
                         at=time.time(),
                     )  # fmt: skip
+                self.blocked.pop(rank, None)
                 if rank not in self.left_early:
                     # A peer still running may wait in a collective this rank never joins.
-                    self.left_early[rank] = "finished"
+                    self._left(rank, "finished")
                     failed = True
             elif kind == protocol.MISSING:
                 outcome.finished = True
                 outcome.fault = reports.RankFault("missing", message["detail"], at=time.time())
         return failed
+
+    def _left(self, rank: int, how: str) -> None:
+        self.left_early[rank] = how
+        self.departures[rank] = Departure(time.time(), how)
 
     def collect_faults(self) -> None:
         """After a broken flight: learn how ranks ended, dump the stuck ones, kill the group."""
@@ -201,7 +222,7 @@ class Flight:
                 self.outcomes[rank].fault = self._death_fault(rank, ended, exits.get(rank))
         now = time.time()
         for rank in stuck:
-            self.outcomes[rank].fault = self._stuck_fault(stacks.get(rank, ""), now)
+            self.outcomes[rank].fault = self._stuck_fault(rank, stacks.get(rank, ""), now)
 
     def _death_fault(
         self, rank: int, ended: float, exit_info: RankExit | None
@@ -228,7 +249,7 @@ class Flight:
             log_tail="" if consequence else self.group.rank_log_tail(rank, self.nodeid),
         )
 
-    def _stuck_fault(self, stack: str, now: float) -> reports.RankFault:
+    def _stuck_fault(self, rank: int, stack: str, now: float) -> reports.RankFault:
         """Why a rank that was still running was killed (timeout, stuck, interrupted)."""
         left = "; ".join(f"rank {r} {how}" for r, how in self.left_early.items()) or "?"
         dead = ", ".join(str(r) for r in self.ended_at if not self.outcomes[r].finished) or "?"
@@ -242,16 +263,7 @@ class Flight:
         elif self.stop == _Stop.AFTER_EARLY_EXIT:
             kind = "stuck"
             summary = f"stuck after {left}"
-            busy = (
-                f" (ranks kept computing for {self.busy_for:.1f} s, then made no progress "
-                f"for {FAILURE_GRACE_S:g} s)"
-                if self.busy_for >= PROGRESS_SAMPLE_S
-                else ""
-            )
-            detail = (
-                f"did not finish within {FAILURE_GRACE_S + self.busy_for:.0f} s after {left}"
-                f"{busy} (typically waiting in a collective the other rank never reached); killed"
-            )
+            detail = self._stuck_detail(rank, left)
         elif self.stop == _Stop.AFTER_DEATH:
             kind = "stuck"
             summary = "stuck after another rank died"
@@ -264,27 +276,30 @@ class Flight:
             kind, detail, summary=summary, at=now, consequence=True, stack=stack
         )
 
-
-class _Progress:
-    """Whether waiting ranks still use CPU: a peer that computes is slow, not stuck."""
-
-    def __init__(self, pids: dict[int, int]) -> None:
-        self._pids = pids
-        self._cpu: dict[int, float] = {}
-        self._sampled_at: float | None = None
-        self.last_progress: float | None = None
-
-    def sample(self, ranks: list[int], now: float) -> None:
-        """Take the ranks' CPU time every PROGRESS_SAMPLE_S; note when any of them grew."""
-        if self._sampled_at is not None and now - self._sampled_at < PROGRESS_SAMPLE_S:
-            return
-        first = self._sampled_at is None
-        self._sampled_at = now
-        for rank in ranks:
-            cpu = cpu_seconds(self._pids[rank]) if rank in self._pids else None
-            if cpu is None:
-                continue  # no /proc: the plain grace applies
-            previous = self._cpu.get(rank)
-            self._cpu[rank] = cpu
-            if not first and previous is not None and cpu - previous >= PROGRESS_CPU_S:
-                self.last_progress = now
+    def _stuck_detail(self, rank: int, left: str) -> str:
+        """Why a rank still running after ``left`` was killed."""
+        verdict = self.stuck.get(rank)
+        if verdict is not None and not verdict.blocked:
+            return f"was killed after {left}: {verdict.reason}"
+        if verdict is not None:
+            first = (
+                f" (it ran its own code for {verdict.own_code_for:.1f} s first)"
+                if verdict.own_code_for >= PROGRESS_SAMPLE_S
+                else ""
+            )
+            within = FAILURE_GRACE_S + verdict.own_code_for
+            return (
+                f"did not finish within {within:.0f} s after {left}{first}: "
+                f"{verdict.reason}; killed"
+            )
+        busy = (
+            f" (ranks kept computing for {self.busy_for:.1f} s, then made no progress "
+            f"for {FAILURE_GRACE_S:g} s)"
+            if self.busy_for >= PROGRESS_SAMPLE_S
+            else ""
+        )
+        return (
+            f"did not finish within {FAILURE_GRACE_S + self.busy_for:.0f} s after {left}"
+            f"{busy} (it used no CPU: typically waiting in a collective the other rank never "
+            "reached; this rank could not say what it waited in); killed"
+        )

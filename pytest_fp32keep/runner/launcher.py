@@ -92,11 +92,13 @@ class RankExit:
 
 @dataclasses.dataclass
 class RankHandle:
-    """A connected rank: its process id and its end of the control channel."""
+    """A connected rank: its process id, its end of the control channel, and whether it says
+    when a test is blocked in communication (:mod:`pytest_fp32keep.runner.waits`)."""
 
     rank: int
     pid: int
     channel: protocol.Channel
+    observes: bool = False
 
 
 class RankGroup:
@@ -209,8 +211,9 @@ class RankGroup:
             rank = int(message["rank"])
             self.ranks[rank] = RankHandle(rank, int(message["pid"]), channel)
         elif message["type"] == protocol.READY:
-            rank = next(h.rank for h in self.ranks.values() if h.channel is channel)
-            ready.add(rank)
+            handle = next(h for h in self.ranks.values() if h.channel is channel)
+            handle.observes = bool(message.get("observes"))
+            ready.add(handle.rank)
             self.collection_errors += list(message.get("collection_errors", []))
 
     def _launch_failure(self, what: str, stacks: dict[int, str] | None = None) -> str:

@@ -5,15 +5,20 @@ address and a one-off token to the ranks through environment variables. Each ran
 once and identifies itself. After that the conversation is strictly lock-step:
 
     rank -> controller   hello(rank, local_rank, world_size, pid, token)
-    rank -> controller   ready(collection_errors)            once, after collecting its files
+    rank -> controller   ready(collection_errors, observes)  once, after collecting its files
     controller -> rank   run(nodeid, next_nodeid, seed)      one test
     rank -> controller   report(nodeid, report)               per phase, as soon as it exists
+    rank -> controller   waiting(nodeid, wait)                when the test's main thread has
+                                                              been blocked in communication
+                                                              for a while, and when that ends
     rank -> controller   done(nodeid, notes, problems, warnings, broken) | missing(nodeid, detail)
     controller -> rank   exit()                              end of the group's life
 
 A frame is a 4-byte big-endian length followed by a UTF-8 JSON object with a ``type`` key.
 Reports travel in pytest's own serialisable form (``pytest_report_to_serializable``), the same
-form pytest-xdist uses, so the controller rebuilds genuine ``TestReport`` objects.
+form pytest-xdist uses, so the controller rebuilds genuine ``TestReport`` objects. ``waiting``
+comes from a thread of the rank (:mod:`pytest_fp32keep.runner.waits`), never after the test's
+``done``; a channel's sends are serialised so that frames of two threads never interleave.
 
 This module is imported by both sides; it uses the standard library only. The token a rank
 sends in ``hello`` is the launch token of :mod:`pytest_fp32keep.runner.processes`.
@@ -26,6 +31,7 @@ import json
 import os
 import socket
 import struct
+import threading
 from pathlib import Path
 from typing import Any, Final
 
@@ -41,6 +47,7 @@ HELLO: Final = "hello"
 READY: Final = "ready"
 RUN: Final = "run"
 REPORT: Final = "report"
+WAITING: Final = "waiting"
 DONE: Final = "done"
 MISSING: Final = "missing"
 EXIT: Final = "exit"
@@ -119,6 +126,7 @@ class Channel:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
+        self._send_lock = threading.Lock()
         self._decoder = FrameDecoder()
         self._pending: list[Message] = []
 
@@ -127,8 +135,10 @@ class Channel:
         return self.sock.fileno()
 
     def send(self, message: Message) -> None:
-        """Send one message (blocking, bounded by the socket's timeout)."""
-        self.sock.sendall(encode(message))
+        """Send one message (blocking, bounded by the socket's timeout; thread-safe)."""
+        frame = encode(message)
+        with self._send_lock:
+            self.sock.sendall(frame)
 
     def receive(self) -> Message:
         """Block until one message arrives (rank side: the controller paces the ranks)."""
@@ -173,9 +183,13 @@ def hello(rank: int, local_rank: int, world_size: int, token: str) -> Message:
     }
 
 
-def ready(collection_errors: list[str]) -> Message:
-    """The rank collected its files and initialised its process group."""
-    return {"type": READY, "collection_errors": collection_errors}
+def ready(collection_errors: list[str], *, observes: bool = False) -> Message:
+    """The rank collected its files and initialised its process group.
+
+    ``observes``: it will say when a test is blocked in communication (``waiting``); a rank
+    that cannot is judged by its CPU time instead.
+    """
+    return {"type": READY, "collection_errors": collection_errors, "observes": observes}
 
 
 def run(nodeid: str, next_nodeid: str | None, seed: int) -> Message:
@@ -188,20 +202,36 @@ def report(nodeid: str, data: dict[str, Any]) -> Message:
     return {"type": REPORT, "nodeid": nodeid, "report": data}
 
 
+def waiting(nodeid: str, wait: dict[str, Any] | None) -> Message:
+    """The test's main thread is blocked in communication, or (``wait`` is ``None``) no longer.
+
+    ``wait``: ``since`` (wall-clock seconds), ``where`` (the call or the collective, for the
+    report) and ``ranks`` (the global ranks of the collective's process group, or ``None``
+    where the rank cannot tell).
+    """
+    return {"type": WAITING, "nodeid": nodeid, "wait": wait}
+
+
+def rank_warning(text: str, filename: str, lineno: int) -> dict[str, Any]:
+    """One warning of a test in a rank (``"UserWarning: message"``) and where it was raised."""
+    return {"text": text, "filename": filename, "lineno": lineno}
+
+
 def done(
     nodeid: str,
     notes: list[str],
     *,
     problems: list[str] | None = None,
-    warnings: list[str] | None = None,
+    warnings: list[dict[str, Any]] | None = None,
     broken: bool = False,
 ) -> Message:
     """The test finished on this rank.
 
     ``notes`` are rank-side remarks for the report; ``problems`` make the test an error on this
     rank (a fixture kept from an earlier test failed to tear down, the test destroyed the
-    process group); ``warnings`` go to the parent's warnings summary; ``broken`` says that the
-    ranks cannot take another test.
+    process group); ``warnings`` (:func:`rank_warning`) go to the parent's warnings summary, at
+    the file and line where the rank raised them; ``broken`` says that the ranks cannot take
+    another test.
     """
     return {
         "type": DONE,

@@ -11,15 +11,16 @@ Each rank:
 2. connects back to the controller and starts a watchdog thread that ends the process if the
    controller goes away, even while the main thread is stuck in a collective;
 3. initialises the default process group once (gloo on CPU, or nccl with device
-   ``LOCAL_RANK``) with a bounded timeout;
+   ``LOCAL_RANK``) with a bounded timeout, and starts the thread that tells the controller
+   when a test is blocked in communication (:mod:`pytest_fp32keep.runner.waits`);
 4. runs ``pytest.main`` on the files holding its group's tests; the session collects once and
    then, instead of pytest's loop, serves ``run`` requests one at a time until ``exit``.
 
 Each test runs through the ordinary ``pytest_runtest_protocol`` (fixtures, parametrization,
 capture, xfail ...); every phase report goes back in pytest's own serialisable form.
 
-This module imports only the standard library, pytest, the wire protocol and the rank context;
-torch is imported when the process group is initialised.
+This module imports only the standard library, pytest and the runner's rank-side modules; torch
+is imported when the process group is initialised.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from pytest_fp32keep.runner.leftovers import TorchDefaults, process_group_proble
 from pytest_fp32keep.runner.processes import ENV_TOKEN, init_process_group_kwargs
 from pytest_fp32keep.runner.rank_context import RANK_CONTEXT_KEY, RankContext
 from pytest_fp32keep.runner.spill import spill_report
+from pytest_fp32keep.runner.waits import CommunicationWatch, flight_recorder_works
 
 #: Exit status of a rank whose controller vanished (it stops at once, wherever it is).
 EXIT_CONTROLLER_GONE: Final = 75
@@ -67,14 +69,21 @@ _log_fd: int | None = None
 class RankSessionPlugin:
     """The rank-side pytest plugin: collect once, then run what the controller asks for."""
 
-    def __init__(self, channel: protocol.Channel, context: RankContext, spill_dir: Path) -> None:
+    def __init__(
+        self,
+        channel: protocol.Channel,
+        context: RankContext,
+        spill_dir: Path,
+        watch: CommunicationWatch,
+    ) -> None:
         self._channel = channel
         self._context = context
+        self._watch = watch
         self._config: pytest.Config | None = None
         self._current: str | None = None
         self._collection_errors: list[str] = []
         self._numpy_seed: Any = _numpy_seed_function()
-        self._warnings: list[str] = []  # the current test's, for the parent's summary
+        self._warnings: list[dict[str, Any]] = []  # the current test's, for the parent's summary
         self._spill_dir = spill_dir
 
     @pytest.hookimpl(tryfirst=True)
@@ -94,7 +103,7 @@ class RankSessionPlugin:
     def pytest_runtestloop(self, session: pytest.Session) -> bool:
         """Replace pytest's loop: announce readiness, then serve requests until ``exit``."""
         items = {item.nodeid: item for item in session.items}
-        self._channel.send(protocol.ready(self._collection_errors))
+        self._channel.send(protocol.ready(self._collection_errors, observes=self._watch.observes))
         while True:
             try:
                 message = self._channel.receive()
@@ -141,6 +150,7 @@ class RankSessionPlugin:
         defaults = TorchDefaults.take()
         self._current = nodeid
         self._warnings = []
+        self._watch.begin(nodeid)
         try:
             item.config.hook.pytest_runtest_protocol(item=item, nextitem=nextitem)
         except Exception:
@@ -149,12 +159,18 @@ class RankSessionPlugin:
                 + traceback.format_exc()
             )
         finally:
+            self._watch.end()
             self._current = None
         if defaults is not None and (changed := defaults.restore()):
+            path, line = item.reportinfo()[:2]
             self._warnings.append(
-                f"{nodeid} changed {', '.join(changed)} and did not restore it; the plugin "
-                "restored it so that later tests in these ranks are not affected (restore it "
-                "in the test, e.g. with a fixture, to silence this)"
+                protocol.rank_warning(
+                    f"{nodeid} changed {', '.join(changed)} and did not restore it; the plugin "
+                    "restored it so that later tests in these ranks are not affected (restore "
+                    "it in the test, e.g. with a fixture, to silence this)",
+                    str(path),
+                    (line or 0) + 1,  # where the test is defined
+                )
             )
         broken = process_group_problem()
         if broken is not None:
@@ -168,12 +184,16 @@ class RankSessionPlugin:
     def pytest_warning_recorded(
         self, warning_message: warnings.WarningMessage, when: str, nodeid: str
     ) -> None:
-        """Keep the current test's warnings for the parent's warnings summary."""
+        """Keep the current test's warnings for the parent's warnings summary, with the place
+        they were raised (the parent reissues them there)."""
         if self._current is not None and when == "runtest":
             category = warning_message.category.__name__
             self._warnings.append(
-                f"{category}: {warning_message.message} "
-                f"({warning_message.filename}:{warning_message.lineno})"
+                protocol.rank_warning(
+                    f"{category}: {warning_message.message}",
+                    warning_message.filename,
+                    warning_message.lineno,
+                )
             )
 
 
@@ -333,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     _watch_controller(channel.sock)
     _init_process_group(context, float(environ.get(protocol.ENV_PG_TIMEOUT, "600")))
+    watch = CommunicationWatch(channel, observes=flight_recorder_works())
+    watch.start()
     args += ["-q", f"--basetemp={protocol.rank_basetemp(run_dir, rank)}"]
     # ``python -m`` imported this package before pytest could mark it for assertion rewriting;
     # under -W error / filterwarnings=error that warning would stop every rank's session.
@@ -342,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         # A private cache: the rank must not overwrite the parent's last-failed list.
         args += ["-o", f"cache_dir={run_dir / f'cache-rank{rank}'}"]
     try:
-        plugin = RankSessionPlugin(channel, context, run_dir / f"spilled-rank{rank}")
+        plugin = RankSessionPlugin(channel, context, run_dir / f"spilled-rank{rank}", watch)
         code = pytest.main(args, plugins=[plugin])
     finally:
         _destroy_process_group()

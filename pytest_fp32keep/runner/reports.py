@@ -34,6 +34,7 @@ from _pytest._code.code import ReprFileLocation, TerminalRepr
 from _pytest._io import TerminalWriter
 
 from pytest_fp32keep.runner.tracebacks import hide_library_frames, merge_key
+from pytest_fp32keep.runner.waits import WATCH_THREAD_FUNCTION
 
 Phase = Literal["setup", "call", "teardown"]
 
@@ -105,7 +106,7 @@ class RankOutcome:
     finished: bool = False
     fault: RankFault | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
-    warnings: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # rank_warning
 
     def phase(self, when: Phase) -> pytest.TestReport | None:
         """This rank's report for ``when``, if it made one."""
@@ -233,6 +234,14 @@ _MACHINERY: Final = (
 )
 
 
+def _is_runner_thread(frame: str) -> bool:
+    """Whether a frame line belongs to one of the threads the rank session starts itself."""
+    line = frame.rstrip()
+    return ("rank_session.py" in line and line.endswith(" in watch")) or (
+        "runner/waits.py" in line and line.endswith(f" in {WATCH_THREAD_FUNCTION}")
+    )
+
+
 def condense_stacks(text: str) -> str:
     """faulthandler's dump without the noise: the rank's own watchdog thread is dropped, and
     each thread's stack stops where pytest's machinery begins (the test is above it)."""
@@ -243,8 +252,8 @@ def condense_stacks(text: str) -> str:
             continue
         # Thread ids differ between ranks; without them identical stacks merge.
         header, frames = re.sub(r" 0x[0-9a-f]+", "", lines[0]), lines[1:]
-        if any("rank_session.py" in f and f.rstrip().endswith(" in watch") for f in frames):
-            continue  # the controller watchdog thread: always there, never interesting
+        if any(_is_runner_thread(frame) for frame in frames):
+            continue  # the rank's own watchdog and watch threads: always there, never interesting
         kept: list[str] = []
         for frame in frames:
             if kept and any(marker in frame for marker in _MACHINERY):

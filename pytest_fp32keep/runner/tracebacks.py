@@ -11,8 +11,10 @@ merges the ranks' failures of one test:
   the test's last frame, as pytest shows it for a ``__tracebackhide__`` frame. The runner knows
   that folder by its path only: it imports nothing of it.
 - :func:`merge_key` is the text two ranks' accounts are compared by: memory addresses, rank
-  numbers inside paths, loopback ports and temporary folders normalised, so that tracebacks
-  that differ only in those merge into one ("ranks 0,1,2").
+  numbers inside paths, loopback ports and temporary folders normalised, and the elements of a
+  printed set sorted (set order follows hashes, which differ per process: ``--showlocals``
+  prints ``{'b', 'a'}`` on one rank and ``{'a', 'b'}`` on the other), so that tracebacks that
+  differ only in those merge into one ("ranks 0,1,2").
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ _HIDDEN_RELATIVE: Final = ("pytest_fp32keep/contract/",)
 _ADDRESS: Final = re.compile(r"0x[0-9a-fA-F]+")
 _PATH: Final = re.compile(r"/[^\s:'\"()]+")
 _RANK_IN_PATH: Final = re.compile(r"rank[_-]?\d+")
+#: One element of a printed set that can be sorted as text: a string, a name, a number.
+_SET_ELEMENT: Final = r"""(?:'[^'\\\n]*'|"[^"\\\n]*"|[\w.+-]+)"""
+#: A whole set display of such elements, as ``repr`` prints one (not cut short by saferepr).
+_SET_DISPLAY: Final = re.compile(rf"\{{({_SET_ELEMENT}(?:, {_SET_ELEMENT})+)\}}")
 _LOOPBACK_PORT: Final = re.compile(
     r"\b(localhost|127\.\d+\.\d+\.\d+|0\.0\.0\.0|\[::1?\]):\d+|\b(port[ =:]+)\d+"
 )
@@ -92,11 +98,16 @@ def hide_library_frames(longrepr: Any) -> Any:
     return longrepr
 
 
+def _sorted_set(match: re.Match[str]) -> str:
+    return "{" + ", ".join(sorted(re.findall(_SET_ELEMENT, match.group(1)))) + "}"
+
+
 def merge_key(text: str) -> str:
     """``text`` with what differs between ranks of one identical failure normalised: memory
     addresses, rank numbers inside paths (``/run/rank1/``), loopback ports and the temporary
     folder's contents (``/tmp/pytest-of-u/pytest-7/...``)."""
     text = _ADDRESS.sub("0x?", text)
+    text = _SET_DISPLAY.sub(_sorted_set, text)
     temporary = re.escape(tempfile.gettempdir().rstrip("/"))
     text = re.sub(temporary + r"/[^\s:'\"()]*", "<tmp>", text)
     text = _PATH.sub(lambda match: _RANK_IN_PATH.sub("rank?", match.group(0)), text)

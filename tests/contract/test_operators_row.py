@@ -26,6 +26,7 @@ from pytest_fp32keep import ContractViolation, assert_fp32_keep_contract
 from pytest_fp32keep.contract.checks.boundary import check_operators, diff_operators
 from pytest_fp32keep.contract.probe import DtypeProbe, OpDtypes, dtype_name
 from pytest_fp32keep.contract.report import ContractReport, Finding
+from tests.contract.tables import table_rows
 from tests.core.toys import stack_class
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -86,12 +87,18 @@ def test_a_differing_input_dtype_is_named_in_the_message() -> None:
     ]
     report = ContractReport("Holder", BF16, "direct", (), tuple(findings))
     message = str(ContractViolation(report))
-    row = next(line for line in message.splitlines() if line.startswith("operators"))
-    # the message may mark where a long pair differs (»like this«): read the pair without marks
-    row = row.replace("\u00bb", "").replace("\u00ab", "")
-    assert "tail call 0 op #3 aten.add.Tensor" in row
-    assert "inputs (float32, float32) -> float32" in row
-    assert "inputs (float32, bfloat16) -> float32" in row
+    # the row's cells, read back whole (the table wraps them to fit 100 columns); the message
+    # may mark where a long pair differs (»like this«): read the pair without marks
+    (cells,) = table_rows(message)
+    row = {
+        column: cell.replace("\u00bb", "").replace("\u00ab", "") for column, cell in cells.items()
+    }
+    assert row == {
+        "check": "operators",
+        "subject": "tail call 0 op #3 aten.add.Tensor",
+        "expected": "inputs (float32, float32) -> float32",
+        "observed": "inputs (float32, bfloat16) -> float32",
+    }, message
 
 
 def test_operators_are_aligned_by_name_and_extra_ones_listed() -> None:
@@ -187,4 +194,6 @@ def test_a_kept_matmul_in_bf16_fails_operators(fsdp2_mesh: DeviceMesh) -> None:
             "inputs (bfloat16, bfloat16) -> bfloat16",
         ) in operators, table
     assert all(subject.startswith(("layers.0.wo ", "layers.1.wo ")) for subject, *_ in operators)
-    assert "layers.0.wo call 0 op #2 aten.mm.default" in str(caught.value)
+    # the message's table (wrapped to fit 100 columns) names the operator whole
+    subjects = [row["subject"] for row in table_rows(str(caught.value))]
+    assert "layers.0.wo call 0 op #2 aten.mm.default" in subjects, str(caught.value)

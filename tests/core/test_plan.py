@@ -256,6 +256,20 @@ def test_plan_is_immutable_and_describes_itself() -> None:
     assert "a.x.weight" not in text
 
 
+def test_plan_and_semantics_print_their_sets_sorted() -> None:
+    # Set order follows hashes, salted per process: unsorted, every rank printed its plan (in a
+    # traceback's locals) differently and identical failures never merged (issue 22).
+    names = [f"layers.{i}.{part}.weight" for i in range(4) for part in ("wo", "norm")]
+    model = model_with_names(names, regular=["wo", "norm"])
+    plan = resolve_keep_plan(model, FP16, transformers_version=GROUP_C)
+    listed = ", ".join(repr(name) for name in sorted(names))
+    assert f"param_names=frozenset({{{listed}}})" in repr(plan)
+    assert "buffer_names=frozenset()" in repr(plan)
+    assert "matches=" not in repr(plan)  # still left out, as the dataclass field says
+    semantics = repr(semantics_for(GROUP_C))
+    assert "strict_dtypes=frozenset({torch.bfloat16, torch.float16})" in semantics
+
+
 def test_plan_does_not_modify_the_model() -> None:
     model = model_with_names(["a.wo.weight"], regular=["wo"], buffers=["a.wo.scale"])
     before = {name: (t.dtype, t.clone()) for name, t in model.state_dict().items()}

@@ -10,6 +10,7 @@ they do on the wire. Then one real failure at 3 ranks: a known-wrong implementat
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ from pytest_fp32keep.contract.master import validate_master_dtype
 from pytest_fp32keep.contract.report import Finding
 from pytest_fp32keep.runner import reports
 from pytest_fp32keep.runner.tracebacks import hide_library_frames, merge_key
+from tests.contract.tables import table_rows
 from tests.inner_outcomes import run_inner_session
 from tests.plugin._inner import failure_section
 from tests.plugin.test_units import INFO  # the same test item the runner's unit tests report
@@ -73,17 +75,26 @@ def test_violation_is_one_table_then_what_to_do_per_failing_kind() -> None:
         Finding("crashed", "backward", "no exception", "RuntimeError: boom", False),
     )
     lines = text.splitlines()
-    # the headline the negative controls parse is unchanged
-    assert lines[0] == (
+    # the headline the negative controls parse, wrapped to fit 100 columns as pytest prints it
+    # (after "E", the raise's indentation and "pytest_fp32keep.ContractViolation: ")
+    assert " ".join(line.strip() for line in lines[:2]) == (
         "FP32-keep contract broken for Decoder at bfloat16 (autocast): "
         "materialized, operators, crashed"
     )
-    assert re.match(r"check\s+subject\s+expected\s+observed$", lines[1])
+    assert lines[1].startswith("  ")  # a continuation
+    assert re.match(r"check\s+subject\s+expected\s+observed$", lines[2])
     assert re.search(
         r"materialized\s+layers\.0\.wo\.weight \(call 0\)\s+float32\s+bfloat16\s+FAIL", text
     )
-    assert "inputs (»float32«, float32) -> float32" in text
-    assert "inputs (»bfloat16«, bfloat16) -> bfloat16" in text
+    # the long pair marked where it differs, wrapped within its columns to fit the width
+    assert not any("inputs (»float32«, float32) -> float32" in line for line in lines)  # wrapped
+    operators = next(row for row in table_rows(text) if row["check"] == "operators")
+    assert operators == {
+        "check": "operators",
+        "subject": "layers.0.wo call 0 op #1 aten.mm.default",
+        "expected": "inputs (»float32«, float32) -> float32",
+        "observed": "inputs (»bfloat16«, bfloat16) -> bfloat16",
+    }, text
     assert "parity" not in text.split("what to do:")[0].split("\n", 1)[1]  # passing rows not shown
     advice = text.split("what to do:\n", 1)[1].splitlines()
     firsts = [line for line in advice if not line.startswith("    ")]
@@ -93,8 +104,55 @@ def test_violation_is_one_table_then_what_to_do_per_failing_kind() -> None:
         "crashed",
     ]
     assert "param_dtype=None (fp32keep.apply_fsdp2 does)" in " ".join(" ".join(advice).split())
-    assert max(len(line) for line in advice) <= 96  # wrapped, continuation lines indented
+    assert max(len(line) for line in lines) <= 88  # 100 columns behind pytest's "E" and indent
     assert text.count("what to do:") == 1
+
+
+#: One kept unit gathered in bf16, as the wrong fix "kept units with the caller's policy" does:
+#: the gather fails, then the operators it feeds, then logits, loss and the gradients.
+GATHERED_LOW = (
+    Finding("parity", "logits", "bfloat16 bit-identical", "max |diff| 0.0312", False),
+    Finding("parity", "loss", "float32 bit-identical", "max |diff| 0.00024", False),
+    *(
+        Finding("parity", f"grad layers.{i}.wo.weight", "bit-identical (control)", "3e-03", False)
+        for i in range(10)
+    ),
+    Finding(
+        "operators",
+        "layers.0.wo call 0 op #1 aten.mm.default",
+        "aten._to_copy.default(float32) -> bfloat16; aten.mm.default(bfloat16, bfloat16) -> "
+        "bfloat16; aten.add.Tensor(float32) -> float32",
+        "aten._to_copy.default(float32) -> bfloat16; aten.mm.default(bfloat16, bfloat16) -> "
+        "bfloat16; aten.add.Tensor(bfloat16) -> bfloat16",
+        False,
+    ),
+    Finding("materialized", "layers.0.wo.weight (call 0)", "float32", "bfloat16", False),
+)
+
+
+def test_the_cause_leads_and_the_parity_rows_it_explains_fold_into_one_line() -> None:
+    report = ContractReport("Decoder", torch.bfloat16, "autocast", (), GATHERED_LOW)
+    text = str(ContractViolation(report))
+    rows = text.split("what to do:")[0].splitlines()[3:]  # after the headline's 2 lines, header
+    # found last, listed first: the contract's order puts the cause before what follows from it
+    assert rows[0].startswith("materialized  layers.0.wo.weight (call 0)"), text
+    assert [row.split()[0] for row in rows if row.endswith("FAIL")] == [
+        "materialized",
+        "operators",
+    ]
+    assert (
+        "12 parity rows follow from the materialized failure above (logits, loss, 12 gradients)"
+        not in text
+    )
+    assert "12 parity rows follow from the materialized failure above (logits, loss, 10" in text
+    assert not re.search(r"^parity\s", text, flags=re.M)  # no parity row of its own
+    assert len(report.failures) == 14 and '"check": "parity"' in report.to_json()  # all kept
+    assert max(len(line) for line in text.splitlines()) <= 88
+    # negative control: with nothing earlier failing, parity rows are the cause and show whole
+    alone = ContractReport("Decoder", torch.bfloat16, "autocast", (), GATHERED_LOW[:12])
+    shown = str(ContractViolation(alone))
+    assert "follow from" not in shown
+    assert len(re.findall(r"^parity\s", shown, flags=re.M)) == 12
 
 
 def test_every_check_kind_has_a_what_to_do_line() -> None:
@@ -194,6 +252,8 @@ def test_a_traceback_only_of_library_frames_is_left_whole() -> None:
         ("/tmp/pytest-of-u/pytest-3/rank1/log.txt", "/tmp/pytest-of-u/pytest-4/rank0/log.txt"),
         ("/srv/run/rank_1/out.txt:12", "/srv/run/rank_0/out.txt:12"),
         ("connect to 127.0.0.1:29501 refused", "connect to 127.0.0.1:41377 refused"),
+        # a set of strings prints in hash order, which differs per process
+        ("taken      = {'layers.1', 'layers.0'}", "taken      = {'layers.0', 'layers.1'}"),
     ],
 )
 def test_merge_key_normalises_what_differs_between_ranks(one: str, other: str) -> None:
@@ -206,6 +266,7 @@ def test_merge_key_normalises_what_differs_between_ranks(one: str, other: str) -
         ("AssertionError: rank 1 is wrong", "AssertionError: rank 0 is wrong"),
         ("test_x.py:12: in check", "test_x.py:13: in check"),
         ("max |diff| 0.00806", "max |diff| 0.00807"),
+        ("taken = {'layers.0', 'layers.1'}", "taken = {'layers.0', 'layers.2'}"),
     ],
 )
 def test_merge_key_keeps_real_differences(one: str, other: str) -> None:
@@ -218,12 +279,14 @@ def test_merge_key_keeps_real_differences(one: str, other: str) -> None:
 WRONG = "test_kept_units_with_the_callers_bf16_policy"
 #: The most lines the failure section of one contract failure may take at 3 ranks: one copy of
 #: the traceback (about 15 lines: the test's frame with its argument, the helper's frame), the
-#: violation's headline, table header and rows (27 for this failure: 4 materialized, 8
-#: operators, 14 parity; a few more where cells wrap) and the what-to-do block (1 + about 3
-#: wrapped lines per kind: 10), plus titles, separators and blank lines. Two copies of the table
-#: alone (2 x 27) plus one traceback would exceed it; before issue 14 the section was 493 lines,
-#: now 50.
+#: violation's headline, table header and rows (this failure: 4 materialized, 8 operators, the
+#: operators' cells wrapped to fit 100 columns, and its 14 parity rows folded into one line) and
+#: the what-to-do block (1 + about 3 wrapped lines per kind: 10), plus titles, separators and
+#: blank lines. Two copies of the table plus one traceback would exceed it; before issue 14 the
+#: section was 493 lines, 50 after it (214 columns wide), MEASURED after issue 22.
 MAX_FAILURE_LINES = 80
+#: The widest line of it: the terminal's 100 columns (issue 22; it was 214).
+MAX_FAILURE_COLUMNS = 100
 
 
 def test_one_contract_failure_at_three_ranks_is_one_traceback(tmp_path: Path) -> None:
@@ -241,9 +304,82 @@ def test_one_contract_failure_at_three_ranks_is_one_traceback(tmp_path: Path) ->
     assert "pytest_fp32keep/contract/" not in text, text  # the contract's own frames hidden
     assert "check(fsdp2_mesh, shard=shard_kept_with(lambda p: p))" in text  # the user's line
     assert "what to do:" in text and "materialized: kept parameters were all-gathered" in text
-    # the headline the negative controls parse, and their table row, as before
+    # the headline the negative controls parse (its end), and their table row, as before
     assert "): materialized, operators, parity\n" in text
     assert re.search(
         r"materialized\s+layers\.0\.wo\.weight \(call 0\)\s+float32\s+bfloat16\s+FAIL", text
     )
+    # the cause leads the table; the parity rows it explains are one line
+    header = next(i for i, line in enumerate(lines) if re.match(r"E\s+check\s+subject", line))
+    assert re.match(r"E\s+materialized\s", lines[header + 1]), text
+    assert re.search(r"E\s+\d+ parity rows follow from the materialized failure above", text)
+    assert not re.search(r"^E\s+parity\s+(logits|loss|grad)", text, flags=re.M), text
+    ours = [line for line in lines if not line.startswith("- generated xml file:")]  # junitxml's
+    widest = max(len(line) for line in ours)
+    assert widest <= MAX_FAILURE_COLUMNS, f"{widest} columns:\n{text}"
     assert len(lines) <= MAX_FAILURE_LINES, f"{len(lines)} lines:\n{text}"
+
+
+# --- one layout refusal at 2 ranks, read as users read it (--tb=long, --showlocals) ---------
+
+#: A model ``apply_fsdp2`` refuses (a kept parameter owned by the root module, BLIP-2's
+#: ``query_tokens``), with the plan in the test's locals, as a user's test has it.
+LAYOUT_REFUSAL = """
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+import fp32keep
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.norm(self.attn(x))
+
+
+class Toy(nn.Module):
+    _keep_in_fp32_modules_strict = ["query_tokens", "norm"]
+    _no_split_modules = ["Block"]
+
+    def __init__(self):
+        super().__init__()
+        self.query_tokens = nn.Parameter(torch.randn(2, 8))
+        self.layers = nn.ModuleList(Block() for _ in range(3))
+
+
+@pytest.mark.fsdp2
+def test_root_owned_kept_parameter_is_refused(fsdp2_mesh):
+    model = Toy()
+    plan = fp32keep.resolve_keep_plan(model, torch.bfloat16)
+    fp32keep.keep_aware_cast(model, torch.bfloat16, plan=plan)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    fp32keep.apply_fsdp2(model, mesh=fsdp2_mesh, mp_policy=policy, plan=plan)
+"""
+#: The most lines its failure section may take: one copy of the long traceback with locals
+#: (the test's frame, then apply_fsdp2's and plan_layout's source, about 265 lines) and the
+#: headline. Before issue 22 each rank printed its own copy (540 lines): the plan's repr listed
+#: its kept names in set order, which differs between processes (string hashes are salted
+#: per process), so the ranks' tracebacks never read the same.
+MAX_REFUSAL_LINES = 300
+
+
+def test_a_layout_refusal_at_two_ranks_is_one_traceback_even_with_locals(tmp_path: Path) -> None:
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONHASHSEED"}
+    files = {"test_refusal.py": LAYOUT_REFUSAL}
+    session = run_inner_session(tmp_path, files, "--tb=long", "-l", timeout=600, env=env)
+    assert session.returncode == 1, session.output[-6000:]
+    text = failure_section(session.output, "test_root_owned_kept_parameter_is_refused")
+    assert "fsdp2: call failed on ranks 0,1 of 2" in text
+    assert re.search(r"-+ ranks 0,1 \(root cause: first to fail\) -+", text), text
+    assert "plan       = KeepPlan(" in text  # the locals are shown, the plan among them
+    assert text.count("def plan_layout(") == 1, text  # the library's source once, not per rank
+    assert text.count("E           fp32keep.errors.KeepLayoutError: FSDP2 cannot keep") == 1
+    assert "query_tokens  [root-owned] is kept (float32)" in text
+    lines = text.splitlines()
+    assert len(lines) <= MAX_REFUSAL_LINES, f"{len(lines)} lines:\n{text}"

@@ -34,6 +34,7 @@ from tests.plugin._inner import (
 PREAMBLE = """
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -55,7 +56,8 @@ def ok(name):
 """
 
 #: The rank faults of one session: a rank raises, exits, is killed, runs out of memory, skips or
-#: xfails while its peer waits in a collective.
+#: xfails while its peer waits in a collective; then peers that are slow, idle or waiting on a
+#: child process after an early finish (healthy: they must be waited for).
 FAULTS_IN_THE_BODY = """
 def test_ok_first():
     ok("first")
@@ -122,6 +124,24 @@ def test_ok_after_xfail():
     ok("after_xfail")
 
 
+def test_slow_peer_after_an_early_finish(fsdp2_rank):
+    # Healthy, only slow: rank 1 computes for 6 s after rank 0 finished (a loaded CI machine).
+    if fsdp2_rank == 1:
+        end = time.monotonic() + 6
+        while time.monotonic() < end:
+            sum(range(10_000))
+
+
+def test_idle_peer_after_an_early_finish(fsdp2_rank):
+    # Healthy, only idle: rank 1 sleeps 6 s after rank 0 finished, using no CPU at all.
+    if fsdp2_rank == 1:
+        time.sleep(6)
+
+
+def test_peer_waiting_on_a_child_process_after_an_early_finish(fsdp2_rank):
+    # Healthy: rank 1 waits 6 s for a child process (a build step, a converter, a server).
+    if fsdp2_rank == 1:
+        subprocess.run(["sleep", "6"], check=True)
 """
 
 #: The other session's: hangs until each kind of timeout, a slow peer, a fixture error, a rank
@@ -163,14 +183,6 @@ def test_ok_last():
     ok("last")
 
 
-def test_slow_peer_after_an_early_finish(fsdp2_rank):
-    # Healthy, only slow: rank 1 computes for 6 s after rank 0 finished (a loaded CI machine).
-    if fsdp2_rank == 1:
-        end = time.monotonic() + 6
-        while time.monotonic() < end:
-            sum(range(10_000))
-
-
 def test_unknown_fixture(no_such_fixture):
     pass
 
@@ -187,6 +199,16 @@ def test_return_while_peer_waits(fsdp2_rank):
 
 def test_ok_after_return():
     ok("after_return")
+
+
+def test_return_while_peer_waits_on_async_work(fsdp2_rank):
+    # Rank 1 waits in its own code on an all_reduce rank 0 never joins (the recorder sees it).
+    if fsdp2_rank == 1:
+        dist.all_reduce(torch.ones(1), async_op=True).wait()
+
+
+def test_ok_after_async_return():
+    ok("after_async_return")
 
 
 def test_destroys_the_process_group():
@@ -262,9 +284,9 @@ def reported_within(session: Sessions, test: str, bound: float) -> float:
 
 def test_faults_fail_and_every_later_test_passes(session: Sessions) -> None:
     body, hangs = session.runs["body"][1], session.runs["hangs"][1]
-    body.assert_outcomes(passed=7, failed=5, xfailed=1)
+    body.assert_outcomes(passed=10, failed=5, xfailed=1)
     # the destroying test passes its call, then errors at teardown
-    hangs.assert_outcomes(passed=9, failed=4, errors=2)
+    hangs.assert_outcomes(passed=9, failed=5, errors=2)
     body.stdout.fnmatch_lines_random(
         [
             "PASSED test_faults.py::test_ok_first",
@@ -274,6 +296,9 @@ def test_faults_fail_and_every_later_test_passes(session: Sessions) -> None:
             "PASSED test_faults.py::test_ok_after_out_of_memory",
             "PASSED test_faults.py::test_ok_after_skip",
             "PASSED test_faults.py::test_ok_after_xfail",
+            "PASSED test_faults.py::test_slow_peer_after_an_early_finish",
+            "PASSED test_faults.py::test_idle_peer_after_an_early_finish",
+            "PASSED test_faults.py::test_peer_waiting_on_a_child_process_after_an_early_finish",
         ]
     )
     hangs.stdout.fnmatch_lines_random(
@@ -284,7 +309,7 @@ def test_faults_fail_and_every_later_test_passes(session: Sessions) -> None:
             "PASSED test_faults.py::test_ok_after_destroy",
             "PASSED test_faults.py::test_ok_after_marker_timeout",
             "PASSED test_faults.py::test_ok_last",
-            "PASSED test_faults.py::test_slow_peer_after_an_early_finish",
+            "PASSED test_faults.py::test_ok_after_async_return",
             "PASSED test_faults.py::test_ok_after_unknown_fixture",
         ]
     )
@@ -296,11 +321,11 @@ def test_each_fault_is_followed_by_fresh_ranks(
     by_test: dict[str, set[int]] = {}
     for record in [r for project, _ in session.runs.values() for r in project.records("ok")]:
         by_test.setdefault(record["test"], set()).add(record["pid"])
-    assert len(by_test) == 14 and all(len(pids) == 2 for pids in by_test.values()), by_test
+    assert len(by_test) == 15 and all(len(pids) == 2 for pids in by_test.values()), by_test
     # A missing fixture is the test's error, not a fault of the ranks: they are kept.
     assert by_test.pop("after_unknown_fixture") == by_test["last"], by_test
     every_pid = [pid for pids in by_test.values() for pid in pids]
-    assert len(set(every_pid)) == 26, f"a group was reused after a fault: {by_test}"
+    assert len(set(every_pid)) == 28, f"a group was reused after a fault: {by_test}"
 
 
 def test_raise_while_peer_waits_reports_the_real_error_within_seconds(
@@ -406,8 +431,25 @@ def test_rank_that_returns_while_its_peer_waits_fails_within_seconds(
     text = session.section("test_return_while_peer_waits")
     assert "no rank failed by itself: stuck after rank 0 finished" in text
     assert "did not finish within 3 s after rank 0 finished" in text
+    # what it was blocked in, as the rank itself saw it
+    assert "it was blocked in all_reduce (torch/distributed/distributed_c10d.py:" in text
     assert "in all_reduce" in text  # rank 1's stack
     reported_within(session, "test_return_while_peer_waits", RANK_FAULT_BOUND_S)
+
+
+def test_rank_waiting_on_async_work_its_peer_never_joins_fails_within_seconds(
+    session: Sessions,
+) -> None:
+    text = session.section("test_return_while_peer_waits_on_async_work")
+    assert "no rank failed by itself: stuck after rank 0 finished" in text
+    # the Flight Recorder's pending collective, with its process group's ranks
+    assert re.search(
+        r"did not finish within 3 s after rank 0 finished: it was blocked in gloo:all_reduce "
+        r"\(collective #\d+ of process group '\w+'\), a collective of ranks 0,1 that rank 0 "
+        r"never joins; killed",
+        text,
+    ), text
+    reported_within(session, "test_return_while_peer_waits_on_async_work", RANK_FAULT_BOUND_S)
 
 
 def test_destroyed_process_group_is_reported_on_the_test_that_did_it(
@@ -438,6 +480,20 @@ def test_a_slow_but_healthy_peer_is_not_killed(
 ) -> None:
     wall = session.wall("test_slow_peer_after_an_early_finish")
     assert wall >= 6, wall  # it ran to its end, past the 3 s grace, and passed
+
+
+@pytest.mark.parametrize(
+    "test",
+    [
+        "test_idle_peer_after_an_early_finish",
+        "test_peer_waiting_on_a_child_process_after_an_early_finish",
+    ],
+)
+def test_a_peer_idle_in_its_own_code_is_waited_for(session: Sessions, test: str) -> None:
+    # It used no CPU for 6 s (the rule before issue 22 killed it after 3 s): it is not blocked
+    # in a collective, so it is waited for, and passes (test_faults_fail_and_every_later_...).
+    session.stdout(test).fnmatch_lines([f"PASSED test_faults.py::{test}"])
+    assert session.wall(test) >= 6
 
 
 def test_no_process_left(session: Sessions) -> None:

@@ -134,12 +134,25 @@ def test_every_case_has_its_outcome(session: tuple[InnerProject, pytest.RunResul
 def test_warnings_in_ranks_reach_the_summary_once(
     session: tuple[InnerProject, pytest.RunResult],
 ) -> None:
-    _, result = session
+    project, result = session
     text = result.stdout.str()
     assert "RankWarning: [ranks 0,1] UserWarning: careful with this model" in text
     assert "RankWarning: [rank 1] DeprecationWarning: only rank 1 saw this" in text
-    assert text.count("careful with this model") == 1
+    # one warning, however many ranks raised it (its source line shows under it once, too)
+    assert text.count("UserWarning: careful with this model") == 1
+    assert text.count('warnings.warn("careful with this model", UserWarning)') == 1
     result.stdout.fnmatch_lines(["*test_warns.py::test_warns*"])  # the summary names the test
+    # ... and where each was raised in the rank: the test file's line, not the runner's
+    source = (project.path / "test_warns.py").read_text().splitlines()
+    careful = next(n for n, line in enumerate(source, 1) if "careful with this" in line)
+    only = next(n for n, line in enumerate(source, 1) if "only rank 1 saw" in line)
+    result.stdout.fnmatch_lines(
+        [
+            f"*test_warns.py:{careful}: RankWarning: [[]ranks 0,1[]] UserWarning: careful*",
+            f"*test_warns.py:{only}: RankWarning: [[]rank 1[]] DeprecationWarning: only*",
+        ]
+    )
+    assert "runner/controller.py" not in text
 
 
 def test_changed_torch_defaults_are_restored_and_named(
