@@ -212,6 +212,34 @@ def plan_layout(
     Raises:
         KeepLayoutError: naming every offending parameter and the reason.
     """
+    draft = _draft(model, plan, wrap, group_kept, replicate_frozen, observed)
+    if draft.problems:  # checked here, so a refusal's traceback shows this short frame only
+        raise KeepLayoutError(draft.problems, model_name=type(model).__name__)
+    # Children before parents: fully_shard claims the parameters not yet claimed below it.
+    ordered = sorted(draft.units, key=lambda unit: (-unit.depth, unit.kind != "kept"))
+    methods = methods_to_gather(model, draft.members, observed)
+    return Layout(tuple(ordered), draft.owner, tuple(draft.replicated), methods)
+
+
+@dataclass(frozen=True)
+class _Draft:
+    """The units :func:`plan_layout` would shard, who owns each parameter, and what is wrong."""
+
+    units: list[Unit]
+    owner: dict[str, str]
+    replicated: list[str]
+    members: list[UnitMembers]
+    problems: list[LayoutProblem]
+
+
+def _draft(
+    model: nn.Module,
+    plan: KeepPlan,
+    wrap: WrapSpec | None,
+    group_kept: KeptGrouping,
+    replicate_frozen: bool,
+    observed: ParameterUse | None,
+) -> _Draft:
     grouping = _kept_grouping(group_kept)
     below = float_param_names(model)
     modules = dict(model.named_modules(remove_duplicate=False))
@@ -279,12 +307,7 @@ def plan_layout(
             for name, stack in observed.coverage(members).uncovered.items()
             if name in plan.param_names and name not in refused
         ]
-    if problems:
-        raise KeepLayoutError(problems, model_name=type(model).__name__)
-    # Children before parents: fully_shard claims the parameters not yet claimed below it.
-    ordered = sorted(units, key=lambda unit: (-unit.depth, unit.kind != "kept"))
-    methods = methods_to_gather(model, members, observed)
-    return Layout(tuple(ordered), owner, tuple(replicated), methods)
+    return _Draft(units, owner, replicated, members, problems)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
