@@ -44,24 +44,10 @@ def slow_tier_selected(config: pytest.Config) -> bool:
     return bool(config.getoption(SLOW_OPTION)) or RANK_CONTEXT_KEY in config.stash
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not slow_tier_selected(config):
-        slow = [item for item in items if item.get_closest_marker(SLOW_MARKER) is not None]
-        if slow:
-            config.hook.pytest_deselected(items=slow)
-            items[:] = [item for item in items if item.get_closest_marker(SLOW_MARKER) is None]
-    if getattr(config.option, "dist", "no") == "loadgroup":
-        _group_for_xdist(items)
-
-
-def _group_for_xdist(items: list[pytest.Item]) -> None:
-    """Under ``--dist loadgroup``: every marked test in one xdist group, so that one worker
-    starts the suite's rank groups and keeps them warm; every other test with its module, so
-    that a module's shared inner session runs once."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is not None:
-            continue
-        marked = item.get_closest_marker("fsdp2") is not None
-        name = "ranks" if marked else item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(name))
+    if slow_tier_selected(config):
+        return
+    slow = [item for item in items if item.get_closest_marker(SLOW_MARKER) is not None]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if item.get_closest_marker(SLOW_MARKER) is None]
