@@ -148,14 +148,19 @@ class _Recorder:
         self._checked: dict[str, tuple[int, int]] | None = None  # status of the last look
         self._found: Blocked | None = None  # what that look found
 
-    def pending(self, test_started: float) -> Blocked | None:
-        """The oldest collective issued since ``test_started`` that has not completed."""
+    def pending(self, test_started: float, *, fresh: bool) -> Blocked | None:
+        """The oldest collective issued since ``test_started`` that has not completed.
+
+        ``fresh``: the thread stands still somewhere new, so what the last look found may be
+        over even though the status reads the same ("last completed" can stay behind after
+        the collective completed): read the entries again.
+        """
         status = _pg_status(self._dumps)
         if not any(enqueued > completed for enqueued, completed in status.values()):
             self._checked, self._found = status, None
             return None
-        if status == self._checked:
-            return self._found  # nothing enqueued or completed since the last look
+        if status == self._checked and not fresh:
+            return self._found  # the same stall, nothing enqueued or completed since
         oldest: dict[str, Any] | None = None
         for dump in self._dumps:
             for entry in _read_dump(dump, include_collectives=True).get("entries", []):
@@ -210,10 +215,12 @@ class BlockedSampler:
         self._recorder = _Recorder()
         self._last: tuple[int, int] | None = None  # frame and instruction at the last sample
         self._last_at = 0.0
+        self._consulted: tuple[int, int] | None = None  # where the recorder was last asked
 
     def reset(self) -> None:
         """Forget the previous sample (a new test begins)."""
         self._last = None
+        self._consulted = None
 
     def sample(self, issued_since: float) -> Blocked | None:
         """One sample; collectives issued before ``issued_since`` (``time.time()``) are old."""
@@ -227,7 +234,8 @@ class BlockedSampler:
         where = _in_torch_distributed(frame, self._package)
         if where is not None:
             return Blocked(since=previous_at, where=where)
-        return self._recorder.pending(issued_since)
+        fresh, self._consulted = here != self._consulted, here
+        return self._recorder.pending(issued_since, fresh=fresh)
 
 
 class CommunicationWatch:

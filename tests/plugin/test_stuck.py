@@ -7,6 +7,7 @@ tests/plugin/test_faults.py the whole path, stuck and idle peers alike.
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 from pytest_fp32keep.runner.stuck import (
@@ -15,7 +16,7 @@ from pytest_fp32keep.runner.stuck import (
     Departure,
     judge_blocked,
 )
-from pytest_fp32keep.runner.waits import Blocked
+from pytest_fp32keep.runner.waits import Blocked, _Recorder
 
 ALL_REDUCE = "gloo:all_reduce (collective #7 of process group '0')"
 RECV = "recv (torch/distributed/distributed_c10d.py:2700)"
@@ -87,3 +88,44 @@ def test_negative_control_the_cpu_rule_kills_a_sleeping_rank_after_the_grace() -
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+class _LaggingRecorder:
+    """A Flight Recorder dump whose "last completed" stays behind (as gloo's can, torch 2.13)
+    while its one entry, the collective the test waited on, goes from pending to retired."""
+
+    def __init__(self) -> None:
+        self.retired = False
+        self.entry_reads = 0
+
+    def __call__(self, include_collectives: bool, only_active: bool) -> str:
+        status = {"0": {"last_enqueued_collective": 7, "last_completed_collective": 6}}
+        if not include_collectives:
+            return json.dumps({"pg_status": status})
+        self.entry_reads += 1
+        entry = {
+            "time_created_ns": int(T0 * 1e9),
+            "retired": self.retired,
+            "profiling_name": "gloo:all_reduce",
+            "collective_seq_id": 7,
+            "process_group": ["0", ""],
+        }
+        return json.dumps({"pg_status": status, "entries": [entry]})
+
+
+def test_a_completed_collective_is_not_reported_where_the_thread_stands_next() -> None:
+    """The status alone reads the same before and after the wait returned; the sampler asks the
+    recorder afresh wherever the thread stands still next, so the sleep after a completed
+    ``work.wait()`` is the test's own code, not the finished collective (seen under load:
+    tests/multirank/test_waits.py)."""
+    dump = _LaggingRecorder()
+    recorder = _Recorder()
+    recorder._dumps = [dump]
+    waiting = recorder.pending(T0 - 1, fresh=True)
+    assert waiting is not None and waiting.where.startswith("gloo:all_reduce (collective #7")
+    assert recorder.pending(T0 - 1, fresh=False) == waiting  # the same stall: the cheap status
+    assert dump.entry_reads == 1
+    dump.retired = True  # work.wait() returned; "last completed" still reads 6
+    # negative control: asked as if it were the same stall, the recorder repeats its old answer
+    assert recorder.pending(T0 - 1, fresh=False) == waiting
+    assert recorder.pending(T0 - 1, fresh=True) is None  # somewhere new: read again, retired
