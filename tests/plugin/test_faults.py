@@ -3,8 +3,9 @@
 Inner sessions (``--fsdp-timeout=10``, so the process-group timeout is 70 s) run each fault
 followed by a passing test, which must get fresh ranks; at the end nothing is left running.
 Each fault's time to its report is bounded (tests/error_bounds.py, docs/errors.md). The faults
-are split over two sessions that run side by side: most of a fault's time is a wait (a grace, a
-timeout) or the start of fresh ranks, which overlap well.
+are split over sessions that run side by side: most of a fault's time is a wait (a grace, a
+timeout) or the start of fresh ranks, which overlap well. The default tier runs one fault per
+mechanism (two sessions); the slow tier adds a third, the same mechanisms by other means.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tests.conftest import slow_tier_selected
 from tests.error_bounds import (
     HANG_BOUND_S,
     INNER_FSDP_TIMEOUT_S,
@@ -55,9 +57,8 @@ def ok(name):
 
 """
 
-#: The rank faults of one session: a rank raises, exits, is killed, runs out of memory, skips or
-#: xfails while its peer waits in a collective; then peers that are slow, idle or waiting on a
-#: child process after an early finish (healthy: they must be waited for).
+#: The rank faults of one session: a rank raises, exits or skips while its peer waits in a
+#: collective; then a peer idle after an early finish (healthy: it must be waited for).
 FAULTS_IN_THE_BODY = """
 def test_ok_first():
     ok("first")
@@ -83,24 +84,12 @@ def test_ok_after_exit():
     ok("after_exit")
 
 
-def test_killed_by_signal(fsdp2_rank):
-    if fsdp2_rank == 0:
-        os.kill(os.getpid(), signal.SIGKILL)
-    dist.all_reduce(torch.ones(1))
 
 
-def test_ok_after_signal():
-    ok("after_signal")
 
 
-def test_out_of_memory_while_peer_waits(fsdp2_rank):
-    if fsdp2_rank == 1:
-        bytearray(1 << 62)  # a real allocation failure: 4 EiB, refused by the allocator
-    dist.all_reduce(torch.ones(1))
 
 
-def test_ok_after_out_of_memory():
-    ok("after_out_of_memory")
 
 
 def test_skip_while_peer_waits(fsdp2_rank):
@@ -113,23 +102,10 @@ def test_ok_after_skip():
     ok("after_skip")
 
 
-@pytest.mark.xfail(reason="rank 1 cannot do this yet", raises=NotImplementedError, strict=True)
-def test_xfail_while_peer_waits(fsdp2_rank):
-    if fsdp2_rank == 1:
-        raise NotImplementedError("not on rank 1")
-    dist.all_reduce(torch.ones(1))
 
 
-def test_ok_after_xfail():
-    ok("after_xfail")
 
 
-def test_slow_peer_after_an_early_finish(fsdp2_rank):
-    # Healthy, only slow: rank 1 computes for 6 s after rank 0 finished (a loaded CI machine).
-    if fsdp2_rank == 1:
-        end = time.monotonic() + 6
-        while time.monotonic() < end:
-            sum(range(10_000))
 
 
 def test_idle_peer_after_an_early_finish(fsdp2_rank):
@@ -138,10 +114,6 @@ def test_idle_peer_after_an_early_finish(fsdp2_rank):
         time.sleep(6)
 
 
-def test_peer_waiting_on_a_child_process_after_an_early_finish(fsdp2_rank):
-    # Healthy: rank 1 waits 6 s for a child process (a build step, a converter, a server).
-    if fsdp2_rank == 1:
-        subprocess.run(["sleep", "6"], check=True)
 """
 
 #: The other session's: hangs until each kind of timeout, a slow peer, a fixture error, a rank
@@ -151,19 +123,8 @@ def test_ok_before_the_hangs():
     ok("before_the_hangs")  # starts the ranks: the first hang's time is the hang's alone
 
 
-def test_hang_in_a_collective_until_fsdp_timeout(fsdp2_rank):
-    # Rank 0 waits in a collective that rank 1 never joins: neither fails by itself.
-    def hang_here():
-        while True:
-            time.sleep(0.05)
-
-    if fsdp2_rank == 1:
-        hang_here()
-    dist.all_reduce(torch.ones(1))
 
 
-def test_ok_after_hang():
-    ok("after_hang")
 
 
 @pytest.mark.timeout(5)
@@ -232,6 +193,75 @@ def test_ok_after_marker_timeout():
 """
 
 
+#: The slow tier's session: the same mechanisms by other means (a signal beside an exit code, a
+#: MemoryError beside an exception, an xfail beside a skip, the session's timeout beside the
+#: marker's, a busy peer and one waiting on a child process beside an idle one).
+MORE_FAULTS = """
+def test_ok_first_of_the_more():
+    ok("first_of_the_more")
+
+
+def test_killed_by_signal(fsdp2_rank):
+    if fsdp2_rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_ok_after_signal():
+    ok("after_signal")
+
+
+def test_out_of_memory_while_peer_waits(fsdp2_rank):
+    if fsdp2_rank == 1:
+        bytearray(1 << 62)  # a real allocation failure: 4 EiB, refused by the allocator
+    dist.all_reduce(torch.ones(1))
+
+
+def test_ok_after_out_of_memory():
+    ok("after_out_of_memory")
+
+
+@pytest.mark.xfail(reason="rank 1 cannot do this yet", raises=NotImplementedError, strict=True)
+def test_xfail_while_peer_waits(fsdp2_rank):
+    if fsdp2_rank == 1:
+        raise NotImplementedError("not on rank 1")
+    dist.all_reduce(torch.ones(1))
+
+
+def test_ok_after_xfail():
+    ok("after_xfail")
+
+
+def test_slow_peer_after_an_early_finish(fsdp2_rank):
+    # Healthy, only slow: rank 1 computes for 6 s after rank 0 finished (a loaded CI machine).
+    if fsdp2_rank == 1:
+        end = time.monotonic() + 6
+        while time.monotonic() < end:
+            sum(range(10_000))
+
+
+def test_peer_waiting_on_a_child_process_after_an_early_finish(fsdp2_rank):
+    # Healthy: rank 1 waits 6 s for a child process (a build step, a converter, a server).
+    if fsdp2_rank == 1:
+        subprocess.run(["sleep", "6"], check=True)
+
+
+def test_hang_in_a_collective_until_fsdp_timeout(fsdp2_rank):
+    # Rank 0 waits in a collective that rank 1 never joins: neither fails by itself.
+    def hang_here():
+        while True:
+            time.sleep(0.05)
+
+    if fsdp2_rank == 1:
+        hang_here()
+    dist.all_reduce(torch.ones(1))
+
+
+def test_ok_after_hang():
+    ok("after_hang")
+"""
+
+
 class Sessions:
     """The two inner sessions' results, read as one (every inner test has one home)."""
 
@@ -256,9 +286,14 @@ class Sessions:
 
 
 @pytest.fixture(scope="module")
-def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sessions]:
-    """Both inner sessions, run side by side once for every check of this module."""
+def session(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Sessions]:
+    """The inner sessions, run side by side once for every check of this module (with the slow
+    tier, :data:`MORE_FAULTS` too)."""
     parts = {"body": FAULTS_IN_THE_BODY, "hangs": HANGS_AND_LEFTOVERS}
+    if slow_tier_selected(request.config):
+        parts["more"] = MORE_FAULTS
     projects = {name: InnerProject(tmp_path_factory.mktemp(name), new_tag()) for name in parts}
     for name, project in projects.items():
         project.write(test_faults=PREAMBLE + parts[name], conftest=WALL_CLOCK_CONFTEST)
@@ -284,27 +319,21 @@ def reported_within(session: Sessions, test: str, bound: float) -> float:
 
 def test_faults_fail_and_every_later_test_passes(session: Sessions) -> None:
     body, hangs = session.runs["body"][1], session.runs["hangs"][1]
-    body.assert_outcomes(passed=10, failed=5, xfailed=1)
+    body.assert_outcomes(passed=5, failed=3)
     # the destroying test passes its call, then errors at teardown
-    hangs.assert_outcomes(passed=9, failed=5, errors=2)
+    hangs.assert_outcomes(passed=8, failed=4, errors=2)
     body.stdout.fnmatch_lines_random(
         [
             "PASSED test_faults.py::test_ok_first",
             "PASSED test_faults.py::test_ok_after_raise",
             "PASSED test_faults.py::test_ok_after_exit",
-            "PASSED test_faults.py::test_ok_after_signal",
-            "PASSED test_faults.py::test_ok_after_out_of_memory",
             "PASSED test_faults.py::test_ok_after_skip",
-            "PASSED test_faults.py::test_ok_after_xfail",
-            "PASSED test_faults.py::test_slow_peer_after_an_early_finish",
             "PASSED test_faults.py::test_idle_peer_after_an_early_finish",
-            "PASSED test_faults.py::test_peer_waiting_on_a_child_process_after_an_early_finish",
         ]
     )
     hangs.stdout.fnmatch_lines_random(
         [
             "PASSED test_faults.py::test_ok_before_the_hangs",
-            "PASSED test_faults.py::test_ok_after_hang",
             "PASSED test_faults.py::test_ok_after_return",
             "PASSED test_faults.py::test_ok_after_destroy",
             "PASSED test_faults.py::test_ok_after_marker_timeout",
@@ -315,17 +344,38 @@ def test_faults_fail_and_every_later_test_passes(session: Sessions) -> None:
     )
 
 
+@pytest.mark.slow
+def test_more_faults_fail_and_every_later_test_passes(session: Sessions) -> None:
+    more = session.runs["more"][1]
+    more.assert_outcomes(passed=6, failed=3, xfailed=1)
+    more.stdout.fnmatch_lines_random(
+        [
+            "PASSED test_faults.py::test_ok_first_of_the_more",
+            "PASSED test_faults.py::test_ok_after_signal",
+            "PASSED test_faults.py::test_ok_after_out_of_memory",
+            "PASSED test_faults.py::test_ok_after_xfail",
+            "PASSED test_faults.py::test_ok_after_hang",
+            "PASSED test_faults.py::test_slow_peer_after_an_early_finish",
+            "PASSED test_faults.py::test_peer_waiting_on_a_child_process_after_an_early_finish",
+        ]
+    )
+
+
 def test_each_fault_is_followed_by_fresh_ranks(
     session: Sessions,
 ) -> None:
     by_test: dict[str, set[int]] = {}
     for record in [r for project, _ in session.runs.values() for r in project.records("ok")]:
         by_test.setdefault(record["test"], set()).add(record["pid"])
-    assert len(by_test) == 15 and all(len(pids) == 2 for pids in by_test.values()), by_test
+    # one record per `ok(...)` test of the sessions that ran, from each of its 2 ranks
+    sources = {"body": FAULTS_IN_THE_BODY, "hangs": HANGS_AND_LEFTOVERS, "more": MORE_FAULTS}
+    ok_tests = sum(sources[name].count('\n    ok("') for name in session.runs)
+    assert len(by_test) == ok_tests and all(len(p) == 2 for p in by_test.values()), by_test
     # A missing fixture is the test's error, not a fault of the ranks: they are kept.
     assert by_test.pop("after_unknown_fixture") == by_test["last"], by_test
     every_pid = [pid for pids in by_test.values() for pid in pids]
-    assert len(set(every_pid)) == 28, f"a group was reused after a fault: {by_test}"
+    expected = 2 * (ok_tests - 1)
+    assert len(set(every_pid)) == expected, f"a group was reused after a fault: {by_test}"
 
 
 def test_raise_while_peer_waits_reports_the_real_error_within_seconds(
@@ -349,6 +399,7 @@ def test_skip_on_one_rank_while_the_other_waits_fails_within_seconds(
     assert session.wall("test_skip_while_peer_waits") < RANK_FAULT_BOUND_S
 
 
+@pytest.mark.slow
 def test_xfail_on_one_rank_while_the_other_waits_is_an_xfail(
     session: Sessions,
 ) -> None:
@@ -368,6 +419,7 @@ def test_exit_code_names_the_rank(session: Sessions) -> None:
     reported_within(session, "test_exit_code", RANK_FAULT_BOUND_S)
 
 
+@pytest.mark.slow
 def test_signal_names_the_rank(session: Sessions) -> None:
     text = session.section("test_killed_by_signal")
     assert "root cause: rank 0 (first to fail)" in text
@@ -378,6 +430,7 @@ def test_signal_names_the_rank(session: Sessions) -> None:
     reported_within(session, "test_killed_by_signal", RANK_FAULT_BOUND_S)
 
 
+@pytest.mark.slow
 def test_out_of_memory_names_the_rank_and_the_error(
     session: Sessions,
 ) -> None:
@@ -401,6 +454,7 @@ def test_unknown_fixture_is_an_error_naming_it(
     reported_within(session, "test_unknown_fixture", RANK_FAULT_BOUND_S)
 
 
+@pytest.mark.slow
 def test_hang_reports_every_rank_stack_after_the_timeout(
     session: Sessions,
 ) -> None:
@@ -475,6 +529,7 @@ def test_marker_timeout_overrides_fsdp_timeout(
     note_elapsed(wall)
 
 
+@pytest.mark.slow
 def test_a_slow_but_healthy_peer_is_not_killed(
     session: Sessions,
 ) -> None:
@@ -486,7 +541,9 @@ def test_a_slow_but_healthy_peer_is_not_killed(
     "test",
     [
         "test_idle_peer_after_an_early_finish",
-        "test_peer_waiting_on_a_child_process_after_an_early_finish",
+        pytest.param(
+            "test_peer_waiting_on_a_child_process_after_an_early_finish", marks=pytest.mark.slow
+        ),
     ],
 )
 def test_a_peer_idle_in_its_own_code_is_waited_for(session: Sessions, test: str) -> None:
