@@ -17,6 +17,7 @@ import termios
 import threading
 import uuid
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -519,8 +520,7 @@ def user_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def terminal_run(user_folder: Path) -> subprocess.CompletedProcess[str]:
+def _terminal_run(user_folder: Path) -> subprocess.CompletedProcess[str]:
     """The installed console script in an 80-column terminal, from the user's folder: their
     Transformers model (the default token batch) and a family from its shrunk config, fp16."""
     env = _environment()
@@ -531,7 +531,7 @@ def terminal_run(user_folder: Path) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-#: The targets of :func:`file_run`: the project's toys (one printing and warning in the ranks,
+#: The targets of :func:`_file_run`: the project's toys (one printing and warning in the ranks,
 #: one refused, one differing on rank 1), with ``--batch``.
 FILE_RUN_TARGETS = (
     "tests.cli.targets:noisy_stack",
@@ -541,8 +541,7 @@ FILE_RUN_TARGETS = (
 )
 
 
-@pytest.fixture(scope="module")
-def file_run(user_folder: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
+def _file_run(user_folder: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
     """The console script with stdout to a file (as CI runs it), the project's toys on
     ``PYTHONPATH``, fp16, a Markdown and a JSON report."""
     report = user_folder / "summary.md"
@@ -553,6 +552,27 @@ def file_run(user_folder: Path) -> tuple[subprocess.CompletedProcess[str], Path]
         env=_environment(PYTHONPATH=str(ROOT)),
     )
     return completed, report
+
+
+@pytest.fixture(scope="module")
+def real_runs(user_folder: Path) -> dict[str, Any]:
+    """Both runs, started together (each mostly waits for its ranks to start)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        terminal = pool.submit(_terminal_run, user_folder)
+        file = pool.submit(_file_run, user_folder)
+        return {"terminal": terminal.result(), "file": file.result()}
+
+
+@pytest.fixture
+def terminal_run(real_runs: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    completed: subprocess.CompletedProcess[str] = real_runs["terminal"]
+    return completed
+
+
+@pytest.fixture
+def file_run(real_runs: dict[str, Any]) -> tuple[subprocess.CompletedProcess[str], Path]:
+    run: tuple[subprocess.CompletedProcess[str], Path] = real_runs["file"]
+    return run
 
 
 def test_the_console_script_imports_a_users_module_from_the_current_directory(
