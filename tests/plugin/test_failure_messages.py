@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from pytest_fp32keep.contract.report import Finding
 from pytest_fp32keep.runner import reports
 from pytest_fp32keep.runner.tracebacks import hide_library_frames, merge_key
 from tests.contract.tables import table_rows
-from tests.inner_outcomes import run_inner_session
+from tests.inner_outcomes import InnerSession, run_inner_session
 from tests.plugin._inner import failure_section
 from tests.plugin.test_units import INFO  # the same test item the runner's unit tests report
 
@@ -289,12 +290,35 @@ MAX_FAILURE_LINES = 80
 MAX_FAILURE_COLUMNS = 100
 
 
-def test_one_contract_failure_at_three_ranks_is_one_traceback(tmp_path: Path) -> None:
+def _three_rank_failure(folder: Path) -> InnerSession:
     from tests.contract.test_negative_controls import INNER
 
     files = {"test_controls.py": INNER}
     target = f"test_controls.py::{WRONG}"
-    session = run_inner_session(tmp_path, files, "--fsdp-nproc", "3", target, timeout=600)
+    return run_inner_session(folder, files, "--fsdp-nproc", "3", target, timeout=600)
+
+
+def _layout_refusal(folder: Path) -> InnerSession:
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONHASHSEED"}
+    files = {"test_refusal.py": LAYOUT_REFUSAL}
+    return run_inner_session(folder, files, "--tb=long", "-l", timeout=600, env=env)
+
+
+@pytest.fixture(scope="module")
+def real_failures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, InnerSession]:
+    """Both inner sessions with real failures, started together (each mostly starts ranks)."""
+    runs = {"three ranks": _three_rank_failure, "layout refusal": _layout_refusal}
+    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
+        futures = {
+            name: pool.submit(run, tmp_path_factory.mktemp("inner")) for name, run in runs.items()
+        }
+        return {name: future.result() for name, future in futures.items()}
+
+
+def test_one_contract_failure_at_three_ranks_is_one_traceback(
+    real_failures: dict[str, InnerSession],
+) -> None:
+    session = real_failures["three ranks"]
     assert session.returncode == 1, session.output[-6000:]
     text = failure_section(session.output, WRONG)
     lines = text.splitlines()
@@ -369,10 +393,10 @@ def test_root_owned_kept_parameter_is_refused(fsdp2_mesh):
 MAX_REFUSAL_LINES = 300
 
 
-def test_a_layout_refusal_at_two_ranks_is_one_traceback_even_with_locals(tmp_path: Path) -> None:
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONHASHSEED"}
-    files = {"test_refusal.py": LAYOUT_REFUSAL}
-    session = run_inner_session(tmp_path, files, "--tb=long", "-l", timeout=600, env=env)
+def test_a_layout_refusal_at_two_ranks_is_one_traceback_even_with_locals(
+    real_failures: dict[str, InnerSession],
+) -> None:
+    session = real_failures["layout refusal"]
     assert session.returncode == 1, session.output[-6000:]
     text = failure_section(session.output, "test_root_owned_kept_parameter_is_refused")
     assert "fsdp2: call failed on ranks 0,1 of 2" in text
