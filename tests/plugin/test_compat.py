@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pytest
 
 from tests.error_bounds import INTERRUPT_BOUND_S, note_elapsed
 from tests.plugin._inner import InnerProject, leftover_processes
@@ -95,41 +99,18 @@ def test_marked_test_of_a_live_worker_passes():
 """
 
 
-def test_xdist_workers_get_their_own_ranks_and_a_killed_worker_is_reported(
-    inner: InnerProject,
-) -> None:
-    """One ``-n 2`` session: two plain files and one whose test kills its own xdist worker.
-
-    Every worker that ran marked tests had ranks of its own (two pids, shared with no other
-    worker; the dead worker's replacement gets new ones); the dead worker's test is reported as
-    a crash, its ranks end within the bound, and nothing is left running.
-    """
-    inner.write(test_one=MARKED_FILE, test_two=MARKED_FILE, test_worker_death=WORKER_DEATH)
-    result = inner.run("-n", "2", "-rA")
-    result.assert_outcomes(passed=8, failed=1)
-    marked = inner.records("marked")
-    assert len(marked) == 10  # 5 marked tests that record, x 2 ranks
-    workers: dict[str, set[int]] = {}
-    for record in marked:
-        workers.setdefault(record["worker"], set()).add(record["pid"])
-    assert len(workers) >= 2, workers
-    assert all(len(pids) == 2 for pids in workers.values()), workers
-    every_pid = [pid for pids in workers.values() for pid in pids]
-    assert len(every_pid) == len(set(every_pid)), f"workers shared ranks: {workers}"
-    assert {r["rank"] for r in inner.records("unmarked")} == {"parent"}
-    result.stdout.fnmatch_lines(
-        [
-            "*worker 'gw?' crashed while running "
-            "'test_worker_death.py::test_worker_killed_while_its_ranks_run'*",
-        ]
-    )
-    result.stdout.fnmatch_lines(["*replacing crashed worker gw?*"])
-    (gone,) = inner.records("gone")
-    assert gone["seconds"] < INTERRUPT_BOUND_S
-    note_elapsed(gone["seconds"])
-    assert leftover_processes(inner.tag) == []
+@pytest.fixture(scope="module")
+def xdist_session(
+    module_inner: InnerProject,
+) -> Iterator[tuple[InnerProject, Future[pytest.RunResult]]]:
+    """The ``-n 2`` inner session, started when this module starts: it runs while the -x/--lf
+    sessions below run (each mostly waits for its ranks to start)."""
+    module_inner.write(test_one=MARKED_FILE, test_two=MARKED_FILE, test_worker_death=WORKER_DEATH)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        yield module_inner, pool.submit(module_inner.run, "-n", "2", "-rA")
 
 
+@pytest.mark.usefixtures("xdist_session")  # started first, so that it runs beside this test
 def test_exitfirst_keyword_and_last_failed(inner: InnerProject) -> None:
     inner.write(
         test_select="""
@@ -163,4 +144,39 @@ def test_exitfirst_keyword_and_last_failed(inner: InnerProject) -> None:
     second = inner.run("--lf", cache=True)
     second.assert_outcomes(failed=1)
     assert sorted(r["test"] for r in inner.records("ran")) == ["a", "a", "b", "b", "b", "b"]
+    assert leftover_processes(inner.tag) == []
+
+
+def test_xdist_workers_get_their_own_ranks_and_a_killed_worker_is_reported(
+    xdist_session: tuple[InnerProject, Future[pytest.RunResult]],
+) -> None:
+    """One ``-n 2`` session: two plain files and one whose test kills its own xdist worker.
+
+    Every worker that ran marked tests had ranks of its own (two pids, shared with no other
+    worker; the dead worker's replacement gets new ones); the dead worker's test is reported as
+    a crash, its ranks end within the bound, and nothing is left running.
+    """
+    inner, running = xdist_session
+    result = running.result()
+    result.assert_outcomes(passed=8, failed=1)
+    marked = inner.records("marked")
+    assert len(marked) == 10  # 5 marked tests that record, x 2 ranks
+    workers: dict[str, set[int]] = {}
+    for record in marked:
+        workers.setdefault(record["worker"], set()).add(record["pid"])
+    assert len(workers) >= 2, workers
+    assert all(len(pids) == 2 for pids in workers.values()), workers
+    every_pid = [pid for pids in workers.values() for pid in pids]
+    assert len(every_pid) == len(set(every_pid)), f"workers shared ranks: {workers}"
+    assert {r["rank"] for r in inner.records("unmarked")} == {"parent"}
+    result.stdout.fnmatch_lines(
+        [
+            "*worker 'gw?' crashed while running "
+            "'test_worker_death.py::test_worker_killed_while_its_ranks_run'*",
+        ]
+    )
+    result.stdout.fnmatch_lines(["*replacing crashed worker gw?*"])
+    (gone,) = inner.records("gone")
+    assert gone["seconds"] < INTERRUPT_BOUND_S
+    note_elapsed(gone["seconds"])
     assert leftover_processes(inner.tag) == []
