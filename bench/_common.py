@@ -130,6 +130,10 @@ def python_env(extra: Mapping[str, str] | None = None, paths: Sequence[str] = ()
     rank when it starts several); ``paths`` are appended to ``PYTHONPATH``.
     """
     env = dict(os.environ)
+    # A user's installed package has its bytecode cached (pip compiles it; an editable install
+    # writes it on first import): a machine-wide PYTHONDONTWRITEBYTECODE would time compiling
+    # every module of the plugin on every run instead (57 ms of start-up on this machine).
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     # A caller's pytest settings must not leak into the generated projects' runs.
     for name in ("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "PYTEST_ADDOPTS", "PYTEST_PLUGINS"):
         env.pop(name, None)

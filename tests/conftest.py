@@ -6,6 +6,11 @@ family, every fault and launch variant) that the default tier covers with one re
 each. The nox sessions and the scheduled workflows pass ``--slow``; ``docs/ci.md`` says which run
 where. Slow tests are deselected, never skipped, so a default run never counts them as passes.
 
+Under pytest-xdist (``--dist=loadfile``, pyproject's ``addopts``) a worker takes whole modules in
+collection order, so a long module collected last runs alone at the end while the other worker
+idles. :data:`LONG_POLES` are collected first (longest first), and the short modules fill in
+beside them.
+
 The ranks of a marked test run their own pytest session, which must collect the test the parent
 sends them whatever the parent's options (they do not inherit ``--slow``): the deselection is
 the parent's alone.
@@ -13,6 +18,7 @@ the parent's alone.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Final
 
 import pytest
@@ -25,6 +31,24 @@ SLOW_HELP: Final = (
     "also run the slow tier: tests marked @pytest.mark.slow (world-size sweeps, every family, "
     "every fault and launch variant); nox sessions and scheduled workflows pass it"
 )
+
+LONG_POLES: Final = (
+    "tests/plugin/test_faults.py",
+    "tests/plugin/test_lockstep.py",
+    "tests/cli/test_cli.py",
+    "tests/plugin/test_failure_messages.py",
+    "tests/plugin/test_compat.py",
+    "tests/contract/test_negative_controls.py",
+    "tests/test_packaging.py",
+    "tests/plugin/test_launch.py",
+    "tests/plugin/test_security.py",
+    "tests/plugin/test_hygiene.py",
+    "tests/probe/test_probe_fsdp.py",
+    "tests/plugin/test_interrupt.py",
+)
+"""The default tier's longest modules, longest first (``pytest --durations=30`` on the 2-core
+machine, 2026-12-02: 111 s for the faults down to 16 s for the interrupts); the order only
+decides when each starts. tests/test_suite_order.py checks that each still exists."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -44,7 +68,25 @@ def slow_tier_selected(config: pytest.Config) -> bool:
     return bool(config.getoption(SLOW_OPTION)) or RANK_CONTEXT_KEY in config.stash
 
 
+def long_poles_first(items: list[pytest.Item], rootpath: Path) -> list[pytest.Item]:
+    """``items`` with the modules of :data:`LONG_POLES` first, in that order; otherwise as
+    collected (a stable sort: the tests of a module keep their order)."""
+    rank = {module: index for index, module in enumerate(LONG_POLES)}
+
+    def key(item: pytest.Item) -> int:
+        try:
+            module = item.path.relative_to(rootpath).as_posix()
+        except ValueError:  # collected from outside the repository
+            return len(rank)
+        return rank.get(module, len(rank))
+
+    return sorted(items, key=key)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if RANK_CONTEXT_KEY in config.stash:  # a rank runs what it is sent, in the parent's order
+        return
+    items[:] = long_poles_first(items, config.rootpath)
     if slow_tier_selected(config):
         return
     slow = [item for item in items if item.get_closest_marker(SLOW_MARKER) is not None]
