@@ -260,7 +260,7 @@ def test_real_peft_low_precision_adapters_of_a_kept_module_are_named_not_their_f
     first = "base_model.model.encoder.block.0.layer.1.DenseReluDense.wo"
     assert (
         f"{first}.lora_A.default.weight  [mixed-dtype-unit] is an adapter stored as "
-        f"torch.float16 beside its kept torch.float32 base weight '{first}.base_layer.weight'"
+        f"torch.float16 beside its torch.float32 base weight '{first}.base_layer.weight'"
     ) in text
     assert "autocast_adapter_dtype=True" in text and "cast the adapters to torch.float32" in text
     assert "upcast_to_fp32_master" not in text  # the advice to upcast everything

@@ -220,7 +220,7 @@ def degraded_problem(
     return LayoutProblem(
         fqn,
         "mixed-dtype-unit",
-        f"is an adapter stored as {dtype_name(dtype)} beside its kept {_KEPT} base weight "
+        f"is an adapter stored as {dtype_name(dtype)} beside its {_KEPT} base weight "
         f"{base!r} in unit {unit_label!r}: the plan keeps the adapters of a kept module in "
         f"{_KEPT} too, and this one would be all-gathered and trained in {dtype_name(dtype)}"
         f"{crash}. Fix: keep the adapters of a kept module in FP32: PEFT's "
