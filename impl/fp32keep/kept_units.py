@@ -22,7 +22,7 @@ from torch import nn
 
 from fp32keep.plan import KeepPlan
 from fp32keep.reads import DirectRead
-from fp32keep.tensors import is_castable_float, iter_owned, join
+from fp32keep.tensors import dtype_name, is_castable_float, iter_owned, join
 
 ReadFinder: TypeAlias = Callable[[nn.Module, str], DirectRead | None]
 """``(model, module_fqn) -> DirectRead | None``: who reads a module's tensors without calling it."""
@@ -166,7 +166,7 @@ def kept_modules(
         if others:
             params = dict(reader_module.named_parameters(prefix=reader, recurse=False))
             shown = ", ".join(
-                f"{name.rpartition('.')[2]} ({str(params[name].dtype).removeprefix('torch.')})"
+                f"{name.rpartition('.')[2]} ({dtype_name(params[name].dtype)})"
                 for name in others[:4]
             )
             return (
