@@ -61,7 +61,9 @@ VERIFIED_TORCH: Mapping[str, str] = MappingProxyType(
         "attribute, the group's `mp_policy`",
         "2.13": "2.13.0+cpu: tests/contract/test_fsdp_state.py, a unit with two param groups "
         "included",
-        "2.14": "2.14.1: tests/contract/test_fsdp_state.py in a side venv",
+        "2.14": "2.14.1: tests/contract/test_fsdp_state.py in a side venv; 2.14.1+cu130 (PyPI's "
+        "CUDA build, run on CPU, 2026-12-03): tests/contract/ default tier 99 passed, "
+        "test_fsdp_state.py's two-group units included",
         "2.15": "2.15.0+cu132 (PyPI's CUDA build, run on CPU, 2026-12-03): "
         "tests/contract/ default tier 99 passed, test_fsdp_state.py's two-group units "
         "included; the call's policy read from `FSDPState._mp_policy` (2.15 has no "
