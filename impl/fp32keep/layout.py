@@ -16,6 +16,7 @@ together under one mixed-precision policy. Three kinds exist:
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from fp32keep.observe import ParameterUse, UnitMembers
 from fp32keep.plan import KeepPlan
 from fp32keep.reads import DirectRead, find_direct_read
 from fp32keep.tensors import is_castable_float, iter_owned, join
+from fp32keep.tied_units import TieGroup, tie_groups
 
 UnitKind = Literal["kept", "standard", "root"]
 KeptGrouping: TypeAlias = bool | Literal["block", "model"]
@@ -215,10 +217,46 @@ def plan_layout(
     draft = _draft(model, plan, wrap, group_kept, replicate_frozen, observed)
     if draft.problems:  # checked here, so a refusal's traceback shows this short frame only
         raise KeepLayoutError(draft.problems, model_name=type(model).__name__)
-    # Children before parents: fully_shard claims the parameters not yet claimed below it.
-    ordered = sorted(draft.units, key=lambda unit: (-unit.depth, unit.kind != "kept"))
+    ordered = _sharding_order(draft.units)
     methods = methods_to_gather(model, draft.members, observed)
     return Layout(tuple(ordered), draft.owner, tuple(draft.replicated), methods)
+
+
+def _sharding_order(units: Sequence[Unit]) -> list[Unit]:
+    """Children before parents: ``fully_shard`` claims the parameters not yet claimed below it,
+    so every unit comes after each unit with a module inside one of its modules.
+
+    Deepest first, kept before others at one depth, else in the order given; a group whose
+    modules lie at several depths (a tie group: an embedding deep in the language model and its
+    head near the top) waits for what lies inside any of its modules, whatever its depth.
+    """
+    unit_of_module = {fqn: index for index, unit in enumerate(units) for fqn in unit.module_fqns}
+    outer: dict[int, set[int]] = defaultdict(set)
+    for index, unit in enumerate(units):
+        for fqn in unit.module_fqns:
+            parts = fqn.split(".") if fqn else []
+            for cut in range(len(parts)):
+                around = unit_of_module.get(".".join(parts[:cut]))
+                if around is not None and around != index:
+                    outer[index].add(around)
+    waiting = Counter(around for arounds in outer.values() for around in arounds)
+
+    def key(index: int) -> tuple[int, bool, int]:
+        return (-units[index].depth, units[index].kind != "kept", index)
+
+    ready = [key(index) for index in range(len(units)) if not waiting[index]]
+    heapq.heapify(ready)
+    ordered: list[Unit] = []
+    while ready:
+        index = heapq.heappop(ready)[2]
+        ordered.append(units[index])
+        for around in outer[index]:
+            waiting[around] -= 1
+            if not waiting[around]:
+                heapq.heappush(ready, key(around))
+    if len(ordered) != len(units):  # pragma: no cover - tie groups never nest both ways
+        raise AssertionError(f"units nest in a cycle: {[u.label for u in units]}")
+    return ordered
 
 
 @dataclass(frozen=True)
@@ -258,34 +296,60 @@ def _draft(
         for fqn, module in modules.items()
         if fqn and not under_kept(fqn) and fqn not in taken and is_target(module)
     ]
-    units: list[Unit] = []
-    unit_of_module: dict[str, int] = {}
 
-    def add(kind: UnitKind, fqns: Sequence[str], stays_gathered: bool = False) -> None:
-        for fqn in fqns:
-            unit_of_module[fqn] = len(units)
-        depth = max(_depth(fqn) for fqn in fqns)
-        units.append(Unit(kind, tuple(fqns), depth, stays_gathered))
+    def build(ties: Sequence[TieGroup]) -> tuple[list[Unit], dict[str, int]]:
+        """The units, each module's unit index; a module of a tie group is in that group only."""
+        grouped = {fqn for _, fqns in ties for fqn in fqns}
+        units: list[Unit] = []
+        unit_of_module: dict[str, int] = {}
 
-    for fqn in standard + selection.owner_children:
-        add("standard", [fqn])
-    if "" not in kept:
-        add("root", [""])
-    if grouping == "block":
-        groups: dict[int, list[str]] = defaultdict(list)
-        for fqn in kept:
-            groups[_innermost(unit_of_module, fqn)].append(fqn)
-        for fqns in groups.values():
-            add("kept", fqns)
-    elif grouping == "model" and kept and kept != [""]:
-        add("kept", kept, stays_gathered=True)
-    else:
-        for fqn in kept:
-            add("kept", [fqn])
-    # Never grouped: an owner is sharded after its children's units, a nested unit before the
-    # kept unit around it; a group spanning depths would claim their parameters first.
-    for fqn in selection.owners + selection.nested:
-        add("kept", [fqn])
+        def add(kind: UnitKind, fqns: Sequence[str], stays_gathered: bool = False) -> None:
+            for fqn in fqns:
+                unit_of_module[fqn] = len(units)
+            depth = max(_depth(fqn) for fqn in fqns)
+            units.append(Unit(kind, tuple(fqns), depth, stays_gathered))
+
+        for fqn in standard + selection.owner_children:
+            if fqn not in grouped:
+                add("standard", [fqn])
+        if "" in selection.owners:  # the root owns only kept parameters: an FP32 unit, last
+            add("kept", [""])
+        elif "" not in kept:
+            add("root", [""])
+        top = [fqn for fqn in kept if fqn not in grouped]
+        if grouping == "block":
+            groups: dict[int, list[str]] = defaultdict(list)
+            for fqn in top:
+                groups[_innermost(unit_of_module, fqn)].append(fqn)
+            for fqns in groups.values():
+                add("kept", fqns)
+        elif grouping == "model" and top and top != [""]:
+            add("kept", top, stays_gathered=True)
+        else:
+            for fqn in top:
+                add("kept", [fqn])
+        # Never grouped: an owner is sharded after its children's units, a nested unit before the
+        # kept unit around it; a group spanning depths would claim their parameters first.
+        for fqn in selection.owners + selection.nested:
+            if fqn and fqn not in grouped:
+                add("kept", [fqn])
+        # A tie group's modules run at different times (the embedding first, the head last), so
+        # it stays gathered in between anyway; not resharding after forward also lets torch
+        # releases that wait for every module of a group finish one whose modules did not all run.
+        for kind, fqns in ties:
+            add(kind, fqns, stays_gathered=True)
+        return units, unit_of_module
+
+    units, unit_of_module = build(())
+    ties = tie_groups(
+        model,
+        plan,
+        {fqn: (unit.kind, unit.module_fqns) for unit in units for fqn in unit.module_fqns},
+        lambda module_fqn: _innermost(unit_of_module, module_fqn),
+        below,
+    )
+    if ties:
+        units, unit_of_module = build(ties)
 
     owner, replicated, problems = _assign_and_validate(
         model,
@@ -295,6 +359,7 @@ def _draft(
         replicate_frozen=replicate_frozen,
         read_directly=selection.read_directly,
         reader_obstacles=selection.reader_obstacles,
+        root_obstacle=selection.root_obstacle,
     )
     managed: dict[str, list[str]] = defaultdict(list)
     for name, label in owner.items():
@@ -330,6 +395,7 @@ def _assign_and_validate(
     replicate_frozen: bool,
     read_directly: Sequence[DirectRead] = (),
     reader_obstacles: Mapping[str, str] | None = None,
+    root_obstacle: str | None = None,
 ) -> tuple[dict[str, str], list[str], list[LayoutProblem]]:
     """``(owner, replicated, problems)``: the unit label of every parameter name, the kept
     frozen parameters left out of FSDP2, and every problem found (empty when the layout holds).
@@ -410,16 +476,7 @@ def _assign_and_validate(
             problems.append(read_problem(first, read, unit.label, replicate_frozen, low, obstacle))
         elif unit.kind == "root":
             problems.append(
-                LayoutProblem(
-                    first,
-                    "root-owned",
-                    f"is kept (float32) but owned directly by the root module "
-                    f"({plan.model_name}). The root is sharded last with the caller's policy, "
-                    f"as the model's own boundary, so its parameters are all-gathered in the "
-                    f"policy's param_dtype (the plan is for {low}). Fix: move it into a "
-                    "submodule, freeze it (frozen kept parameters are replicated), or train "
-                    "without a low-precision param_dtype.",
-                )
+                _root_problem(first, plan.model_name, low, not_kept_owned[""], root_obstacle)
             )
         elif unit.kind == "standard":
             problems.append(mixed_problem(first, model, module_fqn, unit.label, not_kept_owned))
@@ -428,6 +485,29 @@ def _assign_and_validate(
 
     problems += _mixed_dtype_problems(units, members, params, names_of_param, flagged)
     return owner, replicated, problems
+
+
+def _root_problem(
+    fqn: str, model_name: str, low: str, others: Sequence[str], obstacle: str | None
+) -> LayoutProblem:
+    """``root-owned``: why the root, which owns ``fqn``, cannot be an FP32 unit of its own."""
+    if others:
+        why = (
+            f"the root also directly owns parameters the plan does not keep "
+            f"({', '.join(others[:4])}{' …' if len(others) > 4 else ''}): FSDP2 puts a module's "
+            "own parameters in one unit, so the root can be neither an FP32 kept unit nor a "
+            "unit with the caller's policy that keeps this one"
+        )
+    else:
+        why = obstacle or "the root cannot be an FP32 unit of its own"
+    return LayoutProblem(
+        fqn,
+        "root-owned",
+        f"is kept (float32) but owned directly by the root module ({model_name}), and {why}; "
+        f"with the caller's policy it would be all-gathered in the policy's param_dtype (the "
+        f"plan is for {low}). Fix: move it into a submodule, freeze it (frozen kept parameters "
+        "are replicated), or train without a low-precision param_dtype.",
+    )
 
 
 def _mixed_dtype_problems(
