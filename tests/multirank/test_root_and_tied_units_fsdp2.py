@@ -239,7 +239,7 @@ def test_negative_control_kept_tie_split_across_two_units(mesh: DeviceMesh) -> N
     # its weight managed, and left sharded, by the embedding's unit. Either way: no contract.
     with pytest.raises(ContractViolation) as error:
         contract(TiedKeptStack, mesh, shard=shard_tie_apart)
-    text = str(error.value)
+    text = " ".join(str(error.value).split())  # the table wraps the observed cell
     assert "already managed by another FSDP group" in text or "DTensor" in text, text
 
 
@@ -248,6 +248,21 @@ def _transformers_at_least(version: str) -> bool:
         return Version(importlib.metadata.version("transformers")) >= Version(version)
     except importlib.metadata.PackageNotFoundError:
         return False
+
+
+def hy_v4_tied() -> nn.Module:
+    """The families' tiny hy_v4 (``HYV4ForCausalLM``) with ``tie_word_embeddings=True``: its
+    strict ``["lm_head"]`` keeps the head, so the embedding tied to it is kept too."""
+    from transformers import HYV4Config, HYV4ForCausalLM
+
+    from pytest_fp32keep.check.families.overrides import OVERRIDES
+    from pytest_fp32keep.check.families.shrink import tiny_config
+    from pytest_fp32keep.check.zoo.building import build_seeded
+
+    config = tiny_config(HYV4Config, {**OVERRIDES.get("hy_v4", {}), "tie_word_embeddings": True})
+    model = build_seeded(HYV4ForCausalLM, config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, as configured
+    return model
 
 
 @pytest.mark.skipif(
@@ -260,9 +275,52 @@ def test_hy_v4_with_tied_word_embeddings_keeps_the_whole_contract(mesh: DeviceMe
     report = assert_fp32_keep_contract(
         hy_v4_tied, lambda model: family_batch(model, 0), mesh=mesh, dtype=BF16, autocast=True
     )
+    rows = {row.fqn: row for row in report.kept}
+    for name in ("lm_head.weight", "model.embed_tokens.weight"):  # one tensor, both names
+        assert (rows[name].stored, rows[name].materialized) == ("float32", "float32"), name
     assert report.ok, report.table(failures_only=True)
 
 
-def hy_v4_tied() -> nn.Module:
-    """The families' tiny hy_v4 with ``tie_word_embeddings=True``."""
-    raise NotImplementedError  # filled in once hy_v4's tie is read from its source
+@pytest.mark.skipif(
+    not _transformers_at_least("5.24"),
+    reason="hy_v4 arrived in Transformers 5.24; the installed release has no such family",
+)
+def test_negative_control_hy_v4_tie_split_across_two_kept_units(mesh: DeviceMesh) -> None:
+    # fp32keep's units for hy_v4, but the tied head and embedding as two kept units: FSDP2
+    # cannot hand one parameter to two units (refused at fully_shard, or sharded at the head).
+    def split(
+        model: nn.Module,
+        *,
+        mesh: DeviceMesh,
+        mp_policy: MixedPrecisionPolicy,
+        plan: KeepPlan,
+        wrap: WrapSpec | None,
+    ) -> None:
+        layout = fp32keep.plan_layout(model, plan, wrap=wrap)
+        modules = dict(model.named_modules())
+        for unit in layout.units:
+            policy = kept_unit_policy(mp_policy) if unit.kind == "kept" else mp_policy
+            parts = (
+                [[fqn] for fqn in unit.module_fqns]
+                if "lm_head" in unit.module_fqns
+                else [list(unit.module_fqns)]
+            )
+            for fqns in parts:
+                targets = [modules[fqn] for fqn in fqns]
+                fully_shard(
+                    targets if len(targets) > 1 else targets[0], mesh=mesh, mp_policy=policy
+                )
+
+    from pytest_fp32keep.check.families.batches import family_batch
+
+    with pytest.raises(ContractViolation) as error:
+        assert_fp32_keep_contract(
+            hy_v4_tied,
+            lambda model: family_batch(model, 0),
+            mesh=mesh,
+            dtype=BF16,
+            autocast=True,
+            shard=split,
+        )
+    text = " ".join(str(error.value).split())  # the table wraps the observed cell
+    assert "already managed by another FSDP group" in text or "DTensor" in text, text
