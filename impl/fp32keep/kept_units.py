@@ -262,10 +262,8 @@ def root_called_embedding(model: nn.Module) -> str | None:
         embedding = getter()
     except (NotImplementedError, AttributeError):  # Transformers' default when unset
         return None
-    for fqn, module in model.named_modules():
-        if module is embedding and "." in fqn:
-            return fqn
-    return None
+    fqn = next((name for name, module in model.named_modules() if module is embedding), None)
+    return fqn if fqn is not None and "." in fqn else None
 
 
 def root_obstacle(

@@ -336,8 +336,8 @@ def _draft(
         # A tie group's modules run at different times (the embedding first, the head last), so
         # it stays gathered in between anyway; not resharding after forward also lets torch
         # releases that wait for every module of a group finish one whose modules did not all run.
-        for kind, fqns in ties:
-            add(kind, fqns, stays_gathered=True)
+        for kind, members in ties:
+            add(kind, members, stays_gathered=True)
         return units, unit_of_module
 
     units, unit_of_module = build(())

@@ -199,7 +199,7 @@ def _build_instructblip() -> nn.Module:
     # leaving nothing to compare. Trained query tokens are never constant; these are seeded.
     generator = torch.Generator().manual_seed(BUILD_SEED)
     with torch.no_grad():
-        tokens = model.query_tokens  # type: ignore[union-attr]
+        tokens = model.get_parameter("query_tokens")
         tokens.copy_(0.02 * torch.randn(tokens.shape, generator=generator))
     return model
 
