@@ -14,12 +14,13 @@ linear-attention ``conv1d`` whose ``weight`` Bailing-Hybrid's attention hands to
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
 from torch import nn
 
+from fp32keep.errors import LayoutProblem
 from fp32keep.plan import KeepPlan
 from fp32keep.reads import DirectRead
 from fp32keep.tensors import is_castable_float, iter_owned, join
@@ -289,6 +290,29 @@ def root_obstacle(
             "then be a unit of its own that FSDP2 never all-gathers before the read"
         )
     return None
+
+
+def root_problem(
+    fqn: str, model_name: str, low: str, others: Sequence[str], obstacle: str | None
+) -> LayoutProblem:
+    """``root-owned``: why the root, which owns ``fqn``, cannot be an FP32 unit of its own."""
+    if others:
+        why = (
+            f"the root also directly owns parameters the plan does not keep "
+            f"({', '.join(others[:4])}{' …' if len(others) > 4 else ''}): FSDP2 puts a module's "
+            "own parameters in one unit, so the root can be neither an FP32 kept unit nor a "
+            "unit with the caller's policy that keeps this one"
+        )
+    else:
+        why = obstacle or "the root cannot be an FP32 unit of its own"
+    return LayoutProblem(
+        fqn,
+        "root-owned",
+        f"is kept (float32) but owned directly by the root module ({model_name}), and {why}; "
+        f"with the caller's policy it would be all-gathered in the policy's param_dtype (the "
+        f"plan is for {low}). Fix: move it into a submodule, freeze it (frozen kept parameters "
+        "are replicated), or train without a low-precision param_dtype.",
+    )
 
 
 def _self_and_ancestors(fqn: str) -> list[str]:

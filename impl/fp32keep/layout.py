@@ -16,7 +16,6 @@ together under one mixed-precision policy. Three kinds exist:
 
 from __future__ import annotations
 
-import heapq
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,13 +26,13 @@ from torch import nn
 
 from fp32keep.errors import KeepLayoutError, LayoutProblem
 from fp32keep.gathered import methods_to_gather
-from fp32keep.kept_units import float_param_names, kept_modules
+from fp32keep.kept_units import float_param_names, kept_modules, root_problem
 from fp32keep.layout_problems import mixed_problem, read_problem, uncovered_problem
 from fp32keep.observe import ParameterUse, UnitMembers
 from fp32keep.plan import KeepPlan
 from fp32keep.reads import DirectRead, find_direct_read
 from fp32keep.tensors import is_castable_float, iter_owned, join
-from fp32keep.tied_units import TieGroup, tie_groups
+from fp32keep.tied_units import TieGroup, sharding_order, tie_groups
 
 UnitKind = Literal["kept", "standard", "root"]
 KeptGrouping: TypeAlias = bool | Literal["block", "model"]
@@ -217,46 +216,9 @@ def plan_layout(
     draft = _draft(model, plan, wrap, group_kept, replicate_frozen, observed)
     if draft.problems:  # checked here, so a refusal's traceback shows this short frame only
         raise KeepLayoutError(draft.problems, model_name=type(model).__name__)
-    ordered = _sharding_order(draft.units)
+    ordered = sharding_order(draft.units)
     methods = methods_to_gather(model, draft.members, observed)
     return Layout(tuple(ordered), draft.owner, tuple(draft.replicated), methods)
-
-
-def _sharding_order(units: Sequence[Unit]) -> list[Unit]:
-    """Children before parents: ``fully_shard`` claims the parameters not yet claimed below it,
-    so every unit comes after each unit with a module inside one of its modules.
-
-    Deepest first, kept before others at one depth, else in the order given; a group whose
-    modules lie at several depths (a tie group: an embedding deep in the language model and its
-    head near the top) waits for what lies inside any of its modules, whatever its depth.
-    """
-    unit_of_module = {fqn: index for index, unit in enumerate(units) for fqn in unit.module_fqns}
-    outer: dict[int, set[int]] = defaultdict(set)
-    for index, unit in enumerate(units):
-        for fqn in unit.module_fqns:
-            parts = fqn.split(".") if fqn else []
-            for cut in range(len(parts)):
-                around = unit_of_module.get(".".join(parts[:cut]))
-                if around is not None and around != index:
-                    outer[index].add(around)
-    waiting = Counter(around for arounds in outer.values() for around in arounds)
-
-    def key(index: int) -> tuple[int, bool, int]:
-        return (-units[index].depth, units[index].kind != "kept", index)
-
-    ready = [key(index) for index in range(len(units)) if not waiting[index]]
-    heapq.heapify(ready)
-    ordered: list[Unit] = []
-    while ready:
-        index = heapq.heappop(ready)[2]
-        ordered.append(units[index])
-        for around in outer[index]:
-            waiting[around] -= 1
-            if not waiting[around]:
-                heapq.heappush(ready, key(around))
-    if len(ordered) != len(units):  # pragma: no cover - tie groups never nest both ways
-        raise AssertionError(f"units nest in a cycle: {[u.label for u in units]}")
-    return ordered
 
 
 @dataclass(frozen=True)
@@ -476,7 +438,7 @@ def _assign_and_validate(
             problems.append(read_problem(first, read, unit.label, replicate_frozen, low, obstacle))
         elif unit.kind == "root":
             problems.append(
-                _root_problem(first, plan.model_name, low, not_kept_owned[""], root_obstacle)
+                root_problem(first, plan.model_name, low, not_kept_owned[""], root_obstacle)
             )
         elif unit.kind == "standard":
             problems.append(mixed_problem(first, model, module_fqn, unit.label, not_kept_owned))
@@ -485,29 +447,6 @@ def _assign_and_validate(
 
     problems += _mixed_dtype_problems(units, members, params, names_of_param, flagged)
     return owner, replicated, problems
-
-
-def _root_problem(
-    fqn: str, model_name: str, low: str, others: Sequence[str], obstacle: str | None
-) -> LayoutProblem:
-    """``root-owned``: why the root, which owns ``fqn``, cannot be an FP32 unit of its own."""
-    if others:
-        why = (
-            f"the root also directly owns parameters the plan does not keep "
-            f"({', '.join(others[:4])}{' …' if len(others) > 4 else ''}): FSDP2 puts a module's "
-            "own parameters in one unit, so the root can be neither an FP32 kept unit nor a "
-            "unit with the caller's policy that keeps this one"
-        )
-    else:
-        why = obstacle or "the root cannot be an FP32 unit of its own"
-    return LayoutProblem(
-        fqn,
-        "root-owned",
-        f"is kept (float32) but owned directly by the root module ({model_name}), and {why}; "
-        f"with the caller's policy it would be all-gathered in the policy's param_dtype (the "
-        f"plan is for {low}). Fix: move it into a submodule, freeze it (frozen kept parameters "
-        "are replicated), or train without a low-precision param_dtype.",
-    )
 
 
 def _mixed_dtype_problems(

@@ -16,14 +16,17 @@ aliases' modules become one unit of their own (:func:`tie_groups`), where that h
 * a kept tensor's modules hold only kept floating parameters (a kept unit all-gathers in FP32
   whatever it holds).
 
-Otherwise the layout keeps the ``tied-across-units`` refusal.
+Otherwise the layout keeps the ``tied-across-units`` refusal. Such a group can span depths (an
+embedding deep in the language model, the head near its top), so units are sharded in
+:func:`sharding_order`, not by depth alone.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import heapq
+from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from typing import Literal
+from typing import Literal, Protocol, TypeVar
 
 from torch import nn
 
@@ -33,6 +36,18 @@ from fp32keep.tensors import iter_owned
 
 TieGroup = tuple[Literal["kept", "standard"], tuple[str, ...]]
 """A unit to add: its kind and the modules (first name of each) one ``fully_shard`` holds."""
+
+
+class _Planned(Protocol):
+    @property
+    def kind(self) -> str: ...
+    @property
+    def module_fqns(self) -> tuple[str, ...]: ...
+    @property
+    def depth(self) -> int: ...
+
+
+U = TypeVar("U", bound=_Planned)
 
 
 def tie_groups(
@@ -99,3 +114,40 @@ def _can_group(
         if kind == "kept" and not all(name in plan.param_names for name in below.get(fqn, ())):
             return False
     return True
+
+
+def sharding_order(units: Sequence[U]) -> list[U]:
+    """Children before parents: ``fully_shard`` claims the parameters not yet claimed below it,
+    so every unit comes after each unit with a module inside one of its modules.
+
+    Deepest first, kept before others at one depth, else in the order given; a group whose
+    modules lie at several depths (a tie group: an embedding deep in the language model and its
+    head near the top) waits for what lies inside any of its modules, whatever its depth.
+    """
+    unit_of_module = {fqn: index for index, unit in enumerate(units) for fqn in unit.module_fqns}
+    outer: dict[int, set[int]] = defaultdict(set)
+    for index, unit in enumerate(units):
+        for fqn in unit.module_fqns:
+            parts = fqn.split(".") if fqn else []
+            for cut in range(len(parts)):
+                around = unit_of_module.get(".".join(parts[:cut]))
+                if around is not None and around != index:
+                    outer[index].add(around)
+    waiting = Counter(around for arounds in outer.values() for around in arounds)
+
+    def key(index: int) -> tuple[int, bool, int]:
+        return (-units[index].depth, units[index].kind != "kept", index)
+
+    ready = [key(index) for index in range(len(units)) if not waiting[index]]
+    heapq.heapify(ready)
+    ordered: list[U] = []
+    while ready:
+        index = heapq.heappop(ready)[2]
+        ordered.append(units[index])
+        for around in outer[index]:
+            waiting[around] -= 1
+            if not waiting[around]:
+                heapq.heappush(ready, key(around))
+    if len(ordered) != len(units):  # pragma: no cover - tie groups never nest both ways
+        raise AssertionError(f"units nest in a cycle: {[u.module_fqns for u in units]}")
+    return ordered
