@@ -231,8 +231,17 @@ def kept_modules(
                     nest(unit_fqn, unit_module)
             return
         if not fqn:
+            names = direct.get("", [])
             if owns_only_kept(fqn, module):
                 add_root_owner()
+            elif names and all(name in plan.param_names for name in names):
+                # the refusal, where one is due, says which condition failed
+                found.root_obstacle = (
+                    "the root has no forward of its own, so FSDP2's hooks on it would never run"
+                    if not has_own_forward(module)
+                    else "its kept parameters are frozen, and this torch's fully_shard cannot "
+                    "leave them out (ignored_params) to replicate them"
+                )
         elif owns_only_kept(fqn, module) and keep(fqn, module, found.owners):
             add_owner_children(fqn, module)
         for child_name, child in module.named_children():
@@ -304,7 +313,7 @@ def root_problem(
             "unit with the caller's policy that keeps this one"
         )
     else:
-        why = obstacle or "the root cannot be an FP32 unit of its own"
+        why = obstacle or "the root cannot be an FP32 unit of its own"  # pragma: no cover
     return LayoutProblem(
         fqn,
         "root-owned",

@@ -119,6 +119,29 @@ def test_root_reading_a_childs_weight_is_refused_naming_the_read() -> None:
     assert "ReadingRootStack reads head.weight without calling 'head'" in str(error)
 
 
+def test_root_without_a_forward_is_refused_saying_so() -> None:
+    class NoForward(nn.Module):  # the plugin's refusal toy: a container root
+        _keep_in_fp32_modules_strict = ("query_tokens",)
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.query_tokens = nn.Parameter(torch.randn(2, 8))
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    error = refusal(NoForward())
+    assert [(p.fqn, p.reason) for p in error.problems] == [("query_tokens", "root-owned")]
+    assert "the root has no forward of its own" in str(error)
+
+
+def test_frozen_root_owned_parameter_without_replication_is_refused_saying_so() -> None:
+    model = QueryStack()
+    model.query_tokens.requires_grad_(False)
+    with pytest.raises(KeepLayoutError) as error:
+        plan_layout(model, cast(model), replicate_frozen=False)  # a torch without ignored_params
+    assert [(p.fqn, p.reason) for p in error.value.problems] == [("query_tokens", "root-owned")]
+    assert "its kept parameters are frozen" in str(error.value)
+
+
 def test_the_input_embedding_of_a_plain_module_is_not_guessed() -> None:
     # Without get_input_embeddings the root's children are the units; the embedding inside
     # the language model stays in its unit (and its tie with the head stays inside it too).
