@@ -147,11 +147,12 @@ def python_env(extra: Mapping[str, str] | None = None, paths: Sequence[str] = ()
     return env
 
 
-def torchrun_command(nproc: int, script: Path, *args: str) -> list[str]:
+def torchrun_command(nproc: int, script: Path | str, *args: str, module: bool = False) -> list[str]:
     """``python -m torch.distributed.run --standalone --nproc-per-node=N script args``.
 
     ``--standalone`` picks a free port through a local rendezvous (no guessed ports), and going
-    through ``python -m`` keeps the child on the same interpreter as the parent.
+    through ``python -m`` keeps the child on the same interpreter as the parent. With ``module``
+    each rank runs ``script`` as a module (torchrun's ``--module``: ``python -m script``).
     """
     return [
         sys.executable,
@@ -159,6 +160,7 @@ def torchrun_command(nproc: int, script: Path, *args: str) -> list[str]:
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={nproc}",
+        *(["--module"] if module else []),
         str(script),
         *args,
     ]

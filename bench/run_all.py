@@ -34,14 +34,16 @@ from _common import (
     read_json,
 )
 
-BENCHMARKS = ("startup", "dispatch", "step", "load", "families")
+BENCHMARKS = ("startup", "dispatch", "step", "load", "check", "families")
 """Run order: the cheap, load-sensitive start-up figure first, then the memory-hungry load, then
-the longest, ``fp32keep check --all-families`` (which installs its Transformers on first use)."""
+``fp32keep check`` on the zoo against the code before issue 22, then the longest, ``fp32keep check
+--all-families`` (which installs its Transformers on first use)."""
 TITLES = {
     "startup": "Start-up cost of the plugin",
     "dispatch": "Test dispatch",
     "step": "Kept units per training step",
     "load": "Full-state-dict load",
+    "check": "fp32keep check on the zoo against the code before issue 22",
     "families": "Families: fp32keep check --all-families",
 }
 

@@ -582,9 +582,9 @@ def test_linear_attention_families_hold_the_read_conv_and_refuse_truly_mixed_mod
     _family_or_skip("kimi_linear")
     text = _refusal_text("kimi_linear")
     assert text is not None and "[mixed-unit]" in text and "read-not-called" not in text
-    assert "forget_gate.dt_bias" in text and "is kept (float32)" in text
-    assert "also directly owns parameters the plan does not keep: A_log (bfloat16)" in text
+    assert "forget_gate.dt_bias" in text and "is kept (torch.float32)" in text
+    assert "also directly owns parameters the plan does not keep: A_log (torch.bfloat16)" in text
     _family_or_skip("glm5_next")  # both: its conv1d is held, its hyper-connections are mixed
     text = _refusal_text("glm5_next")
     assert text is not None and "read-not-called" not in text and "self_attn.conv1d" not in text
-    assert "attn_hc.base" in text and "not keep: fn (bfloat16)" in text
+    assert "attn_hc.base" in text and "not keep: fn (torch.bfloat16)" in text

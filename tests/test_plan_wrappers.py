@@ -6,9 +6,10 @@
   The real ``peft`` (in the ``test`` extra): ``get_peft_model`` with LoRA keeps the base tensors
   under ``base_model.model``, and its adapters follow the entries as Transformers' rules match
   them under the declaring model: adapters of the attention projections are not kept (cast to
-  the low-precision dtype, trained), adapters of a kept module (LoRA on T5's ``wo``) are. A
-  forwarding stand-in (``PeftModelLike``) checks the same without PEFT's own code. The sharded
-  runs are in tests/multirank/test_wrapped_models_fsdp2.py.
+  the low-precision dtype, trained), adapters of a kept module (LoRA on T5's ``wo``) are; cast
+  below FP32 beside their FP32 base weight, they (not the base weight) are the refusal's
+  culprits, with PEFT's fix. A forwarding stand-in (``PeftModelLike``) checks the same without
+  PEFT's own code. The sharded runs are in tests/multirank/test_wrapped_models_fsdp2.py.
 * ``transformers_version=`` answers from the class-level declarations, replaying that release's
   ``post_init``; the replay is checked against the installed ``post_init`` for every zoo model.
 """
@@ -23,14 +24,15 @@ import torch
 from packaging.version import Version
 from torch import nn
 
-from fp32keep import keep_aware_cast, resolve_keep_plan
+from fp32keep import KeepLayoutError, KeepPlan, keep_aware_cast, resolve_keep_plan
 from fp32keep.compat import REGULAR_ATTR, STRICT_ATTR, installed_semantics, semantics_for
 from fp32keep.layout import plan_layout
 from fp32keep.plan import _post_init_lists
 from pytest_fp32keep.check.zoo import ZOO, transformers_version
+from tests.error_bounds import LIBRARY_BOUND_S, within
 from tests.zoo_entries import available_or_skip
 
-FP16, BF16 = torch.float16, torch.bfloat16
+FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
 T5_WO = 4  # two encoder and two decoder blocks, one `wo` each
 
 
@@ -217,6 +219,83 @@ def test_negative_control_peft_classes_declare_nothing() -> None:
     keep_aware_cast(model, FP16, plan=empty)
     wo = {n: d for n, d in floating_dtypes(model).items() if n.endswith(".wo.weight")}
     assert len(wo) == T5_WO and set(wo.values()) == {FP16}
+
+
+def t5_wo_lora_with_adapters_in(
+    dtype: torch.dtype, *, only: str = "", base_trainable: bool = False
+) -> tuple[nn.Module, KeepPlan]:
+    """LoRA on T5's kept ``wo`` (fp16 plan), cast keep-aware (base and adapters FP32), then the
+    adapters whose name ends with ``only`` (all by default) cast to ``dtype``, as a trainer that
+    casts the trainable parameters to the compute dtype does."""
+    model, _ = peft_model("t5", ["wo"])
+    plan = resolve_keep_plan(model, FP16)
+    keep_aware_cast(model, FP16, plan=plan)
+    for name, module in model.named_modules():
+        if name.endswith((".lora_A", ".lora_B")) and name.endswith(only):
+            module.to(dtype)
+        if base_trainable and name.endswith(".wo.base_layer"):
+            module.requires_grad_(True)
+    return model, plan
+
+
+def lora_names(model: nn.Module, part: str = ".lora_") -> set[str]:
+    return {name for name, _ in model.named_parameters() if part in name}
+
+
+@pytest.mark.parametrize("base_trainable", [False, True], ids=["base-frozen", "base-trainable"])
+def test_real_peft_low_precision_adapters_of_a_kept_module_are_named_not_their_fp32_base(
+    base_trainable: bool,
+) -> None:
+    # The base weight is right (kept, FP32): only the adapters are the mixed-dtype culprits,
+    # with the adapters' own fix, not FP32 master weights for everything.
+    model, plan = t5_wo_lora_with_adapters_in(FP16, base_trainable=base_trainable)
+    with within(LIBRARY_BOUND_S), pytest.raises(KeepLayoutError) as error:
+        plan_layout(model, plan)
+    adapters = lora_names(model)
+    assert len(adapters) == 2 * T5_WO
+    assert {(p.fqn, p.reason) for p in error.value.problems} == {
+        (name, "mixed-dtype-unit") for name in adapters
+    }
+    text = str(error.value)
+    first = "base_model.model.encoder.block.0.layer.1.DenseReluDense.wo"
+    assert (
+        f"{first}.lora_A.default.weight  [mixed-dtype-unit] is an adapter stored as "
+        f"torch.float16 beside its torch.float32 base weight '{first}.base_layer.weight'"
+    ) in text
+    assert "autocast_adapter_dtype=True" in text and "cast the adapters to torch.float32" in text
+    assert "upcast_to_fp32_master" not in text  # the advice to upcast everything
+    crash = "FSDP expects uniform original parameter dtype"
+    assert (crash in text) is base_trainable  # FSDP2 fails only on trainable dtypes that differ
+
+
+def test_real_peft_only_the_adapters_below_fp32_are_named() -> None:
+    model, plan = t5_wo_lora_with_adapters_in(BF16, only=".lora_B")
+    with within(LIBRARY_BOUND_S), pytest.raises(KeepLayoutError) as error:
+        plan_layout(model, plan)
+    assert set(error.value.fqns) == lora_names(model, ".lora_B.")
+    assert {problem.reason for problem in error.value.problems} == {"mixed-dtype-unit"}
+    assert "torch.bfloat16" in str(error.value)
+
+
+def test_negative_control_real_peft_fp32_adapters_of_a_kept_module_are_accepted() -> None:
+    # PEFT's default: adapters in the base layer's dtype, FP32 here. Accepted, base trainable
+    # too (every trainable parameter of the unit is FP32).
+    model, plan = t5_wo_lora_with_adapters_in(FP32, base_trainable=True)
+    assert {p.dtype for n, p in model.named_parameters() if ".wo." in n} == {FP32}
+    kept = [unit for unit in plan_layout(model, plan).units if unit.kind == "kept"]
+    assert len(kept) == T5_WO
+
+
+def test_the_refusals_fix_for_adapters_is_one_that_works() -> None:
+    # The fix the refusal names: PEFT's own cast of the adapters back to FP32.
+    from peft.tuners.tuners_utils import cast_adapter_dtype
+
+    model, plan = t5_wo_lora_with_adapters_in(FP16)
+    with pytest.raises(KeepLayoutError):
+        plan_layout(model, plan)
+    cast_adapter_dtype(model, "default", autocast_adapter_dtype=True)
+    kept = [unit for unit in plan_layout(model, plan).units if unit.kind == "kept"]
+    assert len(kept) == T5_WO
 
 
 # --- the what-if ---------------------------------------------------------------------------

@@ -14,16 +14,15 @@ linear-attention ``conv1d`` whose ``weight`` Bailing-Hybrid's attention hands to
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
 from torch import nn
 
-from fp32keep.errors import LayoutProblem
 from fp32keep.plan import KeepPlan
 from fp32keep.reads import DirectRead
-from fp32keep.tensors import is_castable_float, iter_owned, join
+from fp32keep.tensors import dtype_name, is_castable_float, iter_owned, join
 
 ReadFinder: TypeAlias = Callable[[nn.Module, str], DirectRead | None]
 """``(model, module_fqn) -> DirectRead | None``: who reads a module's tensors without calling it."""
@@ -176,7 +175,7 @@ def kept_modules(
         if others:
             params = dict(reader_module.named_parameters(prefix=reader, recurse=False))
             shown = ", ".join(
-                f"{name.rpartition('.')[2]} ({str(params[name].dtype).removeprefix('torch.')})"
+                f"{name.rpartition('.')[2]} ({dtype_name(params[name].dtype)})"
                 for name in others[:4]
             )
             return (
@@ -231,17 +230,10 @@ def kept_modules(
                     nest(unit_fqn, unit_module)
             return
         if not fqn:
-            names = direct.get("", [])
             if owns_only_kept(fqn, module):
                 add_root_owner()
-            elif names and all(name in plan.param_names for name in names):
-                # the refusal, where one is due, says which condition failed
-                found.root_obstacle = (
-                    "the root has no forward of its own, so FSDP2's hooks on it would never run"
-                    if not has_own_forward(module)
-                    else "its kept parameters are frozen, and this torch's fully_shard cannot "
-                    "leave them out (ignored_params) to replicate them"
-                )
+            else:  # the refusal, where one is due, says which condition failed
+                found.root_obstacle = _root_not_owner(module, direct.get("", []), plan)
         elif owns_only_kept(fqn, module) and keep(fqn, module, found.owners):
             add_owner_children(fqn, module)
         for child_name, child in module.named_children():
@@ -301,27 +293,26 @@ def root_obstacle(
     return None
 
 
-def root_problem(
-    fqn: str, model_name: str, low: str, others: Sequence[str], obstacle: str | None
-) -> LayoutProblem:
-    """``root-owned``: why the root, which owns ``fqn``, cannot be an FP32 unit of its own."""
-    if others:
-        why = (
-            f"the root also directly owns parameters the plan does not keep "
-            f"({', '.join(others[:4])}{' …' if len(others) > 4 else ''}): FSDP2 puts a module's "
-            "own parameters in one unit, so the root can be neither an FP32 kept unit nor a "
-            "unit with the caller's policy that keeps this one"
+def _root_not_owner(root: nn.Module, names: list[str], plan: KeepPlan) -> str | None:
+    """Why a root that directly owns kept parameters is not an owner unit (``None``: it owns
+    none, or none of its checks failed)."""
+    others = [name for name in names if name not in plan.param_names]
+    if others and len(others) < len(names):
+        params = dict(root.named_parameters(recurse=False))
+        shown = ", ".join(f"{name} ({dtype_name(params[name].dtype)})" for name in others[:4])
+        return (
+            f"it also directly owns parameters the plan does not keep ({shown}"
+            f"{' …' if len(others) > 4 else ''}), and FSDP2 puts a module's own parameters in "
+            "one unit"
         )
-    else:
-        why = obstacle or "the root cannot be an FP32 unit of its own"  # pragma: no cover
-    return LayoutProblem(
-        fqn,
-        "root-owned",
-        f"is kept (float32) but owned directly by the root module ({model_name}), and {why}; "
-        f"with the caller's policy it would be all-gathered in the policy's param_dtype (the "
-        f"plan is for {low}). Fix: move it into a submodule, freeze it (frozen kept parameters "
-        "are replicated), or train without a low-precision param_dtype.",
-    )
+    if names and not others:
+        if not has_own_forward(root):
+            return "it has no forward of its own, so FSDP2's hooks on it would never run"
+        return (
+            "its kept parameters are frozen, and this torch's fully_shard cannot leave them out "
+            "(ignored_params) to replicate them"
+        )
+    return None
 
 
 def _self_and_ancestors(fqn: str) -> list[str]:

@@ -26,12 +26,20 @@ from torch import nn
 
 from fp32keep.errors import KeepLayoutError, LayoutProblem
 from fp32keep.gathered import methods_to_gather
-from fp32keep.kept_units import float_param_names, kept_modules, root_problem
-from fp32keep.layout_problems import mixed_problem, read_problem, uncovered_problem
+from fp32keep.kept_units import ReadFinder, float_param_names, kept_modules
+from fp32keep.layout_problems import (
+    degraded_problem,
+    mixed_dtype_problem,
+    mixed_problem,
+    read_problem,
+    root_problem,
+    tied_problem,
+    uncovered_problem,
+)
 from fp32keep.observe import ParameterUse, UnitMembers
 from fp32keep.plan import KeepPlan
 from fp32keep.reads import DirectRead, find_direct_read
-from fp32keep.tensors import is_castable_float, iter_owned, join
+from fp32keep.tensors import dtype_name, is_castable_float, iter_owned, join
 from fp32keep.tied_units import TieGroup, sharding_order, tie_groups
 
 UnitKind = Literal["kept", "standard", "root"]
@@ -321,6 +329,7 @@ def _draft(
         replicate_frozen=replicate_frozen,
         read_directly=selection.read_directly,
         reader_obstacles=selection.reader_obstacles,
+        find_read=find_read,
         root_obstacle=selection.root_obstacle,
     )
     managed: dict[str, list[str]] = defaultdict(list)
@@ -330,15 +339,11 @@ def _draft(
     if observed is not None:
         refused = {problem.fqn for problem in problems}
         problems += [
-            uncovered_problem(name, owner[name], stack, _dtype_name(plan.dtype))
+            uncovered_problem(name, owner[name], stack, dtype_name(plan.dtype))
             for name, stack in observed.coverage(members).uncovered.items()
             if name in plan.param_names and name not in refused
         ]
     return _Draft(units, owner, replicated, members, problems)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _read_covering(reads: Sequence[DirectRead], module_fqn: str) -> DirectRead | None:
@@ -357,12 +362,14 @@ def _assign_and_validate(
     replicate_frozen: bool,
     read_directly: Sequence[DirectRead] = (),
     reader_obstacles: Mapping[str, str] | None = None,
+    find_read: ReadFinder = find_direct_read,
     root_obstacle: str | None = None,
 ) -> tuple[dict[str, str], list[str], list[LayoutProblem]]:
     """``(owner, replicated, problems)``: the unit label of every parameter name, the kept
     frozen parameters left out of FSDP2, and every problem found (empty when the layout holds).
 
-    ``innermost(module_fqn)`` is the index in ``units`` of the innermost unit around a module.
+    ``innermost(module_fqn)`` is the index in ``units`` of the innermost unit around a module;
+    ``find_read`` names who reads a root-owned kept parameter's module.
     """
     problems: list[LayoutProblem] = []
     unit_of_param: dict[int, set[int]] = defaultdict(set)
@@ -382,13 +389,14 @@ def _assign_and_validate(
         module_of_param.setdefault(key, module_fqn)
         unit_of_param[key].add(innermost(module_fqn))
         if name not in plan.param_names:
-            not_kept_owned[module_fqn].append(f"{attribute} ({_dtype_name(tensor.dtype)})")
+            not_kept_owned[module_fqn].append(f"{attribute} ({dtype_name(tensor.dtype)})")
 
     owner: dict[str, str] = {}
     replicated: list[str] = []
     members: dict[int, list[int]] = defaultdict(list)
     flagged: set[int] = set()
-    low = _dtype_name(plan.dtype)
+    correct: set[int] = set()  # kept and FP32: never the parameter a mixed-dtype unit blames
+    low = dtype_name(plan.dtype)
     for key, unit_indices in unit_of_param.items():
         names = names_of_param[key]
         kept = any(name in plan.param_names for name in names)
@@ -396,16 +404,7 @@ def _assign_and_validate(
         dtype = params[key].dtype
         if len(unit_indices) > 1:
             labels = sorted(units[index].label for index in unit_indices)
-            problems.append(
-                LayoutProblem(
-                    first,
-                    "tied-across-units",
-                    f"({_dtype_name(dtype)}{', kept' if kept else ''}) its tied names {names} "
-                    f"fall in different FSDP units {labels}; FSDP2 manages a parameter in one "
-                    "unit only. Wrap a common ancestor of all its owners as one unit (wrap=...), "
-                    "or untie the weights.",
-                )
-            )
+            problems.append(tied_problem(model, names, labels, dtype, kept))
             continue
         index = next(iter(unit_indices))
         unit = units[index]
@@ -421,31 +420,25 @@ def _assign_and_validate(
         if not kept:
             continue
         count_before = len(problems)
-        if dtype != torch.float32:
-            problems.append(
-                LayoutProblem(
-                    first,
-                    "degraded",
-                    f"is kept by the plan but stored as {_dtype_name(dtype)} before wrapping; "
-                    "cast with fp32keep.keep_aware_cast(model, dtype) instead of "
-                    "model.to(dtype), or load the checkpoint again.",
-                )
-            )
         module_fqn = module_of_param[key]
+        if dtype != torch.float32:
+            problems.append(degraded_problem(first, model, module_fqn, dtype, unit.label))
+        else:
+            correct.add(key)
         read = _read_covering(read_directly, module_fqn)
         if read is not None and unit.kind != "kept":
             obstacle = (reader_obstacles or {}).get(read.module_fqn)
             problems.append(read_problem(first, read, unit.label, replicate_frozen, low, obstacle))
         elif unit.kind == "root":
-            problems.append(
-                root_problem(first, plan.model_name, low, not_kept_owned[""], root_obstacle)
-            )
+            reader = find_read(model, module_fqn) if module_fqn else None
+            obstacle = None if module_fqn else root_obstacle
+            problems.append(root_problem(first, model, module_fqn, low, reader, obstacle))
         elif unit.kind == "standard":
             problems.append(mixed_problem(first, model, module_fqn, unit.label, not_kept_owned))
         if len(problems) > count_before:
             flagged.add(key)
 
-    problems += _mixed_dtype_problems(units, members, params, names_of_param, flagged)
+    problems += _mixed_dtype_problems(units, members, params, names_of_param, flagged | correct)
     return owner, replicated, problems
 
 
@@ -454,8 +447,10 @@ def _mixed_dtype_problems(
     members: dict[int, list[int]],
     params: dict[int, nn.Parameter],
     names_of_param: dict[int, list[str]],
-    flagged: set[int],
+    exempt: set[int],
 ) -> list[LayoutProblem]:
+    """A problem for each trainable parameter of a unit of several trainable dtypes that is not
+    of the unit's most common dtype, unless ``exempt`` (already refused, or kept and FP32)."""
     problems: list[LayoutProblem] = []
     for index, keys in members.items():
         trainable = [key for key in keys if params[key].requires_grad]
@@ -463,20 +458,11 @@ def _mixed_dtype_problems(
         if len(dtypes) < 2:
             continue
         majority = dtypes.most_common(1)[0][0]
-        found = ", ".join(f"{count} {_dtype_name(dtype)}" for dtype, count in dtypes.most_common())
+        found = ", ".join(f"{count} {dtype_name(dtype)}" for dtype, count in dtypes.most_common())
         for key in trainable:
-            if params[key].dtype == majority or key in flagged:
+            if params[key].dtype == majority or key in exempt:
                 continue
-            problems.append(
-                LayoutProblem(
-                    names_of_param[key][0],
-                    "mixed-dtype-unit",
-                    f"is stored as {_dtype_name(params[key].dtype)} in unit "
-                    f"{units[index].label!r}, which holds trainable parameters of several dtypes "
-                    f"({found}); FSDP2 would fail on the first forward with 'FSDP expects "
-                    "uniform original parameter dtype'. Store FP32 master weights with "
-                    "fp32keep.upcast_to_fp32_master(model), or declare the FP32 modules in "
-                    "_keep_in_fp32_modules(_strict) so they get units of their own.",
-                )
-            )
+            label = units[index].label
+            name = names_of_param[key][0]
+            problems.append(mixed_dtype_problem(name, params[key].dtype, label, found))
     return problems

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from fp32keep.errors import StateDictError
 from fp32keep.load_move import Box, Target
+from fp32keep.tensors import dtype_name
 
 #: The argument names whose values every rank must pass alike, in the order reports carry them.
 AGREED_ARGUMENTS = ("src_rank", "strict", "cpu_offload", "bucket_bytes", "direct_bytes")
@@ -159,13 +160,13 @@ def entry_problem(value: object, target: Target) -> str | None:
     if value.layout != torch.strided:
         return f"is a {value.layout} tensor; pass a dense one (value.to_dense())"
     if value.is_quantized:
-        return f"is a quantized tensor ({value.dtype}); pass value.dequantize()"
+        return f"is a quantized tensor ({dtype_name(value.dtype)}); pass value.dequantize()"
     if tuple(value.shape) != target.full_shape:
         return f"has shape {tuple(value.shape)}, the model expects {target.full_shape}"
     if family(value.dtype) != family(target.dtype):
         return (
-            f"is {value.dtype} ({family(value.dtype)}) but the model's tensor is "
-            f"{target.dtype} ({family(target.dtype)})"
+            f"is {dtype_name(value.dtype)} ({family(value.dtype)}) but the model's tensor is "
+            f"{dtype_name(target.dtype)} ({family(target.dtype)})"
         )
     return None
 

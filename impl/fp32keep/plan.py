@@ -22,7 +22,14 @@ from fp32keep.compat import (
 )
 from fp32keep.errors import KeepDeclarationError
 from fp32keep.reprs import dataclass_repr
-from fp32keep.tensors import TensorSlot, check_float_dtype, is_castable_float, join, tensor_slots
+from fp32keep.tensors import (
+    TensorSlot,
+    check_float_dtype,
+    dtype_name,
+    is_castable_float,
+    join,
+    tensor_slots,
+)
 
 
 @dataclass(frozen=True)
@@ -96,7 +103,7 @@ class KeepPlan:
     def describe(self) -> str:
         """A readable table of every kept tensor and the entry that caught it."""
         header = (
-            f"Keep plan for {self.model_name} at {_dtype_name(self.dtype)} "
+            f"Keep plan for {self.model_name} at {dtype_name(self.dtype)} "
             f"(Transformers {self.transformers_version}, group {self.semantics_group}): "
             f"{len(self.param_names)} parameter name(s), {len(self.buffer_names)} buffer "
             "name(s) kept in FP32"
@@ -126,10 +133,6 @@ class KeepPlan:
                 + row[3]
             )
         return "\n".join(lines)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _installed_group() -> str | None:

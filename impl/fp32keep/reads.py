@@ -17,8 +17,9 @@ an ancestor is the source of every model class in its MRO (an inherited ``forwar
 defined on a base class), not of its own class only:
 
 * :func:`find_direct_read`: an attribute access ``NAME.TENSOR`` (``embed_positions.weight``),
-  other than a metadata read (``.dtype``, ``.shape``, ...), in an ancestor's source, while no
-  ancestor's source calls ``NAME(...)``;
+  other than a metadata read (``.dtype``, ``.shape``, ...), or for a ``ParameterList`` or
+  ``ParameterDict`` (no forward: always read) any use of ``.NAME`` (``self.scales[0]``), in an
+  ancestor's source, while no ancestor's source calls ``NAME(...)``;
 * :func:`called_methods`: ``NAME.METHOD(`` in an ancestor's source, for a ``METHOD`` the
   module's own model classes define, and only where that method's source (again through the
   MRO) reaches the module's parameters: a pure helper (Kyutai's ``get_encoded_length``, which
@@ -100,7 +101,14 @@ def find_direct_read(model: nn.Module, module_fqn: str) -> DirectRead | None:
     if reached is None:
         return None
     name, ancestors = reached
-    read = re.compile(rf"\b{name}\s*\.\s*({'|'.join(map(re.escape, tensors))})\b{_METADATA}")
+    if isinstance(module, nn.ParameterList | nn.ParameterDict):
+        # Read by indexing or iterating (``self.scales[0]``, ``for s in self.scales``): the
+        # container itself is what the source names, other than where it is assigned (or
+        # annotated: ``self.scales: nn.ParameterList = ...``).
+        read = re.compile(rf"\.\s*{name}\b(?!\s*\(|\s*=(?!=)|\s*:)((?:\s*\[[^\]\n]*\])?)")
+    else:
+        tensor = "|".join(map(re.escape, tensors))
+        read = re.compile(rf"\b{name}\s*(\.\s*(?:{tensor}))\b{_METADATA}")
     call = re.compile(rf"\b{name}\s*(?:\.\s*forward\s*)?\(")
     found: DirectRead | None = None
     for ancestor_fqn, ancestor, source in ancestors:
@@ -108,7 +116,7 @@ def find_direct_read(model: nn.Module, module_fqn: str) -> DirectRead | None:
             return None
         match = read.search(source)
         if match is not None and found is None:
-            expression = f"{name}.{match.group(1)}"
+            expression = name + re.sub(r"\s+", "", match.group(1))
             found = DirectRead(module_fqn, type(ancestor).__name__, expression, ancestor_fqn)
     return found
 

@@ -30,6 +30,12 @@ def is_castable_float(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point and dtype not in _PACKED_FLOAT_DTYPES
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as every message spells it: as torch prints it (``torch.bfloat16``), the spelling
+    users paste into code and that tools written for other FP32-keep paths (verl's) match."""
+    return str(dtype)
+
+
 def check_float_dtype(dtype: object, *, what: str) -> torch.dtype:
     """Return ``dtype`` if it is a castable floating torch dtype, else raise a clear error."""
     if not isinstance(dtype, torch.dtype):
@@ -37,7 +43,7 @@ def check_float_dtype(dtype: object, *, what: str) -> torch.dtype:
     if not is_castable_float(dtype):
         raise ValueError(
             f"{what} must be a floating dtype (torch.float16, torch.bfloat16 or torch.float32), "
-            f"got {dtype}"
+            f"got {dtype_name(dtype)}"
         )
     return dtype
 

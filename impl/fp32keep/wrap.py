@@ -17,7 +17,7 @@ from fp32keep.gathered import register_gathered_methods
 from fp32keep.layout import KeptGrouping, Layout, WrapSpec, plan_layout
 from fp32keep.observe import ParameterUse
 from fp32keep.plan import KeepPlan, check_plan_fits, resolve_keep_plan
-from fp32keep.tensors import check_float_dtype, is_castable_float
+from fp32keep.tensors import check_float_dtype, dtype_name, is_castable_float
 
 # fully_shard(ignored_params=...) arrived after torch 2.6; without it a frozen kept parameter
 # that no unit can isolate is refused like a trainable one.
@@ -38,7 +38,8 @@ def infer_low_precision_dtype(model: nn.Module, mp_policy: MixedPrecisionPolicy)
     }
     if len(low) > 1:
         raise ValueError(
-            f"{type(model).__name__} stores parameters in both float16 and bfloat16; pass "
+            f"{type(model).__name__} stores parameters in both {dtype_name(torch.float16)} and "
+            f"{dtype_name(torch.bfloat16)}; pass "
             "plan=fp32keep.resolve_keep_plan(model, dtype) with the dtype you train in"
         )
     if low:

@@ -62,7 +62,7 @@ def test_owner_that_also_owns_a_parameter_not_kept_is_still_refused_saying_so() 
     assert set(error.fqns) == {"layers.0.self_attn.sinks", "layers.1.self_attn.sinks"}
     text = str(error)
     assert "'layers.0.self_attn' (SinkAttention) also directly owns parameters" in text
-    assert "scale (bfloat16)" in text and "is kept (float32)" in text
+    assert "scale (torch.bfloat16)" in text and "is kept (torch.float32)" in text
     assert "owns parameters that are not kept" not in text  # the old, false wording
 
 
@@ -135,7 +135,7 @@ def test_trainable_kept_module_read_without_a_call_is_refused_naming_it() -> Non
     assert "(embed_positions.weight) without calling it" in text
     assert "mixed torch.Tensor and DTensor" in text and "freeze it" in text
     assert "its reader 'encoder' (PositionReader) also directly owns parameters" in text
-    assert "scale (bfloat16)" in text
+    assert "scale (torch.bfloat16)" in text
     # without replication support (older torch) the frozen one is refused the same way
     frozen = ReadStack()
     plan = resolve_keep_plan(frozen, BF16, transformers_version=SEMANTICS)
@@ -165,10 +165,11 @@ def test_root_owned_names_the_root_and_the_dtypes() -> None:
     model.register_parameter("scale", nn.Parameter(torch.randn(2, 8)))  # not kept: a mixed root
     error = refusal(model)
     text = str(error)
-    assert "[root-owned] is kept (float32) but owned directly by the root module (KeptStack)" in (
-        text
-    )
-    assert "(the plan is for bfloat16)" in text
+    assert (
+        "[root-owned] is kept (torch.float32) but no fp32-keep unit owns it: it is owned "
+        "directly by the root module (KeptStack)"
+    ) in text
+    assert "(the plan is for torch.bfloat16)" in text
 
 
 def test_tied_across_units_names_the_dtype() -> None:
@@ -176,7 +177,10 @@ def test_tied_across_units_names_the_dtype() -> None:
     model.register_parameter("tied", model.layers[0].attn.weight)  # the root cannot be grouped
     error = refusal(model)
     assert [p.reason for p in error.problems] == ["tied-across-units"]
-    assert "(bfloat16) its tied names" in str(error)
+    assert (
+        "[tied-across-units] is tied across FSDP2 unit boundaries: one torch.bfloat16 tensor, "
+        "named ['tied', 'layers.0.attn.weight'], falls in units ['<root>', 'layers.0']"
+    ) in str(error)
 
 
 def test_frozen_owner_parameters_stay_replicated() -> None:

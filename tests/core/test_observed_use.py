@@ -124,7 +124,7 @@ def test_a_kept_parameter_used_outside_its_unit_is_refused_naming_the_stack() ->
         ("scaler.proj.weight", "read-not-called"),
     ]
     text = str(error.value)
-    assert "is kept (float32) in unit 'scaler', but the observed forward used it in " in text
+    assert "is kept (torch.float32) in unit 'scaler', but the observed forward used it in " in text
     assert "<root>.__call__ > <root>.forward > scaler.proj.__call__ > scaler.proj.forward" in text
     assert "mixed torch.Tensor and DTensor" in text and "freeze it" in text
     assert ("kept", ("scaler",)) in units(plan_layout(model, plan))  # the scan's answer

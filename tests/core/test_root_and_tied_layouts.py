@@ -108,9 +108,9 @@ def test_root_also_owning_a_parameter_not_kept_is_refused_naming_it() -> None:
     error = refusal(MixedRootStack())
     assert [(p.fqn, p.reason) for p in error.problems] == [("query_tokens", "root-owned")]
     assert (
-        "the root also directly owns parameters the plan does not keep (scale (bfloat16))"
-        in str(error)
-    )
+        "which cannot be an FP32 unit of its own: it also directly owns parameters the plan "
+        "does not keep (scale (torch.bfloat16))"
+    ) in str(error)
 
 
 def test_root_reading_a_childs_weight_is_refused_naming_the_read() -> None:
@@ -130,7 +130,7 @@ def test_root_without_a_forward_is_refused_saying_so() -> None:
 
     error = refusal(NoForward())
     assert [(p.fqn, p.reason) for p in error.problems] == [("query_tokens", "root-owned")]
-    assert "the root has no forward of its own" in str(error)
+    assert "cannot be an FP32 unit of its own: it has no forward of its own" in str(error)
 
 
 def test_frozen_root_owned_parameter_without_replication_is_refused_saying_so() -> None:

@@ -5,7 +5,9 @@ from the zoo's tiny configs (no downloads), gloo on CPU, 2 ranks by default.
   T5 (regular ``["wo"]``, kept under fp16) and Ernie4_5_Moe (strict router, kept under bf16 too):
   the whole contract passes with the PEFT model as the factory's model. Negative control: a
   resolver that reads the declarations of the top module only (PEFT's classes declare none: an
-  empty plan) fails ``stored`` on every ``wo``.
+  empty plan) fails ``stored`` on every ``wo``. LoRA on the kept ``wo`` with its adapters cast
+  to fp16 beside the FP32 base weight: refused on every rank naming the adapters only; with FP32
+  adapters (PEFT's default) sharded.
 * A value-head critic (TRL's ``AutoModelForCausalLMWithValueHead`` shape: the causal LM under
   ``pretrained_model``, a Linear value head beside it, the value in the loss): the contract passes.
 * Blip2 under fp16: the kept ``qformer`` is one kept unit, and the wrap targets inside it (its
@@ -33,13 +35,16 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 import fp32keep
-from fp32keep import KeepPlan
+from fp32keep import KeepLayoutError, KeepPlan
 from fp32keep.wrap import kept_unit_policy
 from pytest_fp32keep import ContractViolation, assert_fp32_keep_contract
 from pytest_fp32keep.check.zoo import ZOO
 from pytest_fp32keep.check.zoo.batches import causal_lm_batch
 from pytest_fp32keep.contract.control import unit_layout
 from pytest_fp32keep.contract.fsdp_state import unit_of
+from tests.error_bounds import LIBRARY_BOUND_S
+from tests.multirank.refusals import refused_on_every_rank
+from tests.untouched import assert_unchanged, snapshot
 from tests.zoo_entries import available_or_skip
 
 pytestmark = pytest.mark.fsdp2
@@ -132,6 +137,50 @@ def test_negative_control_peft_model_under_a_top_module_plan_fails_stored(
     stored = {f.subject for f in error.value.report.failures if f.check == "stored"}
     assert len(stored) == 4 and all(s.endswith("DenseReluDense.wo.weight") for s in stored)
     assert all(s.startswith(f"{PEFT_PREFIX}.") for s in stored)
+
+
+def t5_wo_lora(adapter_dtype: torch.dtype) -> tuple[nn.Module, KeepPlan]:
+    """LoRA on T5's kept ``wo``, cast keep-aware for fp16 (base and adapters FP32), then the
+    adapters cast to ``adapter_dtype``, as a trainer casting its trainable parameters does."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["wo"])
+    model: nn.Module = get_peft_model(ZOO["t5"].build(), config)
+    plan = fp32keep.resolve_keep_plan(model, FP16)
+    fp32keep.keep_aware_cast(model, FP16, plan=plan)
+    for name, module in model.named_modules():
+        if name.endswith((".lora_A", ".lora_B")):
+            module.to(adapter_dtype)
+    return model, plan
+
+
+def test_peft_fp16_adapters_of_a_kept_module_are_refused_on_every_rank_naming_them(
+    mesh: DeviceMesh,
+) -> None:
+    available_or_skip("t5")
+    model, plan = t5_wo_lora(FP16)
+    before = snapshot(model)
+    policy = MixedPrecisionPolicy(param_dtype=FP16, reduce_dtype=torch.float32)
+    error = refused_on_every_rank(
+        lambda: fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=policy, plan=plan),
+        KeepLayoutError,
+        "nothing was sharded",
+        bound=LIBRARY_BOUND_S,
+    )
+    adapters = {name for name, _ in model.named_parameters() if ".wo.lora_" in name}
+    assert len(adapters) == 8  # lora_A and lora_B of T5's four `wo`
+    assert {(p.fqn, p.reason) for p in error.problems} == {
+        (name, "mixed-dtype-unit") for name in adapters
+    }
+    assert "autocast_adapter_dtype=True" in str(error) and "torch.float16" in str(error)
+    assert_unchanged(model, before)
+    # Negative control: the same model with FP32 adapters (PEFT's default) is sharded, the
+    # adapters in their `wo`'s kept unit, stored FP32.
+    model, plan = t5_wo_lora(torch.float32)
+    fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=policy, plan=plan)
+    lora = model.get_submodule(f"{PEFT_PREFIX}.encoder.block.0.layer.1.DenseReluDense.wo.lora_A")
+    assert isinstance(lora.default.weight, DTensor) and lora.default.weight.dtype == torch.float32
 
 
 # --- a value-head critic ---------------------------------------------------------------------

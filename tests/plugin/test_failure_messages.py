@@ -406,6 +406,6 @@ def test_a_layout_refusal_at_two_ranks_is_one_traceback_even_with_locals(
     assert "plan       = KeepPlan(" in text  # the locals are shown, the plan among them
     assert text.count("def plan_layout(") == 1, text  # the library's source once, not per rank
     assert text.count("E           fp32keep.errors.KeepLayoutError: FSDP2 cannot keep") == 1
-    assert "query_tokens  [root-owned] is kept (float32)" in text
+    assert "query_tokens  [root-owned] is kept (torch.float32)" in text
     lines = text.splitlines()
     assert len(lines) <= MAX_REFUSAL_LINES, f"{len(lines)} lines:\n{text}"

@@ -1,0 +1,43 @@
+"""Rank warnings are issued at the file and line where the rank raised them (issue 22), pure.
+
+tests/plugin/test_hygiene.py checks the same through a real inner session (the user's test file
+and line in the summary, ``runner/controller.py`` nowhere); these pin down the rule itself, with
+its negative control: one text raised in two places is two warnings, each at its own place, so
+the place is the rank's, never a fixed one (the test's file, or the runner's).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from pytest_fp32keep.runner import reports
+from pytest_fp32keep.runner.controller import RankWarning, relay_warnings
+from pytest_fp32keep.runner.protocol import rank_warning
+
+USER_FILE = "/home/me/project/test_my_model.py"
+LIBRARY_FILE = "/venv/site-packages/somelib/modeling.py"
+
+
+def relayed(*outcomes: reports.RankOutcome) -> list[tuple[str, str, int]]:
+    """What :func:`relay_warnings` issues: message, file and line of each warning."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        relay_warnings(list(outcomes))
+    assert all(issubclass(w.category, RankWarning) for w in caught)
+    return [(str(w.message), w.filename, w.lineno) for w in caught]
+
+
+def test_identical_rank_warnings_are_one_at_the_users_file_and_line() -> None:
+    careful = rank_warning("UserWarning: careful with this model", USER_FILE, 12)
+    both = [reports.RankOutcome(rank, warnings=[careful]) for rank in (0, 1)]
+    assert relayed(*both) == [("[ranks 0,1] UserWarning: careful with this model", USER_FILE, 12)]
+
+
+def test_negative_control_one_text_from_two_places_is_two_warnings_at_their_places() -> None:
+    text = "UserWarning: careful with this model"
+    here = reports.RankOutcome(0, warnings=[rank_warning(text, USER_FILE, 12)])
+    there = reports.RankOutcome(1, warnings=[rank_warning(text, LIBRARY_FILE, 40)])
+    assert relayed(here, there) == [
+        (f"[rank 0] {text}", USER_FILE, 12),
+        (f"[rank 1] {text}", LIBRARY_FILE, 40),
+    ]
