@@ -78,8 +78,8 @@ def family_entry(family: str) -> ZooEntry:
     """The family as a zoo entry (named after the family); builds nothing.
 
     ``expect_layout_error`` is the curated zoo's word where the zoo has the same class (a
-    layout FSDP2 cannot hold, such as Blip2's root-owned ``query_tokens``); otherwise ``False``,
-    so a refusal is reported as one, for the reader to judge.
+    layout FSDP2 cannot hold, such as Rwkv's ``time_decay`` beside its projections); otherwise
+    ``False``, so a refusal is reported as one, for the reader to judge.
     """
     cls = _model_class(family)
     name = cls.__name__
