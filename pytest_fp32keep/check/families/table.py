@@ -73,8 +73,9 @@ def reference_crash(case: dict[str, Any]) -> str | None:
 
     The ``reference`` step runs the model cast the keep-aware way (what ``from_pretrained(dtype=D)``
     gives: the plan oracle of ``tests/test_families.py`` checks that per family), unsharded, in the
-    case's context, before FSDP2 runs anything: a model that crashes there cannot run at that
-    dtype on that device at all (AudioFlamingo3 on CPU: ``mixed dtype (CPU)``). That is not a
+    case's context, before FSDP2 runs anything: a model that crashes there, or computes a NaN or
+    an infinity (``NonFiniteReference``), cannot run at that dtype on that device at all
+    (AudioFlamingo3 on CPU: ``mixed dtype (CPU)``). That is not a
     FSDP2 result, so the cell says ``not runnable`` and why, never ``pass``. Any other failing
     check beside it keeps the case a ``FAIL``.
     """
