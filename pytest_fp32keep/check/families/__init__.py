@@ -1,4 +1,4 @@
-"""Every Transformers model family that declares a keep list, from automatically shrunk configs.
+"""Every Transformers model family whose model keeps a tensor, from automatically shrunk configs.
 
 The zoo (:mod:`pytest_fp32keep.check.zoo`) is the curated set; the families are the breadth.
 For a family (a folder under ``transformers/models``), :mod:`.discovery` says whether it may keep
@@ -29,6 +29,7 @@ from pytest_fp32keep.check.families.entries import (
     family_entry,
     family_pick,
     keep_families,
+    listed,
     probe,
 )
 from pytest_fp32keep.check.families.overrides import OVERRIDES
@@ -46,6 +47,7 @@ __all__ = [
     "family_entry",
     "family_pick",
     "keep_families",
+    "listed",
     "pick_class",
     "probe",
 ]

@@ -115,11 +115,18 @@ def keeps(family: str) -> bool:
         return True
 
 
+def listed(family: str) -> bool:
+    """Whether ``--all-families`` checks ``family``: a folder of the installed Transformers, a
+    candidate (:func:`.discovery.is_candidate`) whose built model keeps a tensor
+    (:func:`keeps`). Builds that family only."""
+    return (models_dir() / family).is_dir() and is_candidate(family) and keeps(family)
+
+
 @cache
 def keep_families() -> tuple[str, ...]:
-    """The candidate families (:func:`.discovery.candidate_families`) whose built model keeps a
-    tensor (:func:`keeps`), sorted. Builds each candidate's tiny model once (cached)."""
-    return tuple(family for family in candidate_families() if keeps(family))
+    """The listed families (:func:`listed`), sorted: builds every candidate's tiny model once
+    (:func:`.discovery.candidate_families`, cached)."""
+    return tuple(family for family in candidate_families() if listed(family))
 
 
 def check_family_names(names: list[str]) -> None:
@@ -132,7 +139,7 @@ def check_family_names(names: list[str]) -> None:
     for name in names:
         if not (folder / name).is_dir():
             why.append(f"{name!r} (no folder {name} under {folder})")
-        elif not (is_candidate(name) and keeps(name)):
+        elif not listed(name):
             why.append(f"{name!r} (its built model keeps nothing at fp16 or bf16 here)")
     if why:
         raise FamilyError(

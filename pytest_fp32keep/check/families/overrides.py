@@ -48,6 +48,18 @@ OVERRIDES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
             "post_conv_out_channels": 32,
             "vision_config": {"output_channels": 32},
         },
+        # The whole OCR model's SAM encoder: its neck width (output_channels, 256) and its
+        # downsampling convs' channels (a list, [512, 896], whose last entry is the vision
+        # encoder's default width) are not size fields elsewhere: 6 M parameters unshrunk, so
+        # only the text model was checked. Set together here.
+        **{
+            family: {
+                "vision_config": {
+                    "sam_config": {"output_channels": 32, "downsample_channels": [32, 32]}
+                }
+            }
+            for family in ("deepseek_ocr2", "unlimited_ocr")
+        },
         # The model code's default M-RoPE sections [8, 12, 12] split a rotary half of 64; with
         # head_dim 8 the whole head rotates and the sections must sum to 4.
         "glm4v_moe": {
