@@ -705,3 +705,24 @@ def test_linear_attention_families_hold_the_read_conv_and_refuse_truly_mixed_mod
     text = _refusal_text("glm5_next")
     assert text is not None and "read-not-called" not in text and "self_attn.conv1d" not in text
     assert "attn_hc.base" in text and "not keep: fn (bfloat16)" in text
+
+
+def test_code_stream_decoder_gets_one_row_per_codebook() -> None:
+    """MusicGen's decoder predicts one stream of audio codes per codebook: its batch has
+    labels ``(batch, seq, codebooks)`` and decoder inputs ``(batch * codebooks, seq)``, the text
+    ids go to the T5 encoder, whose ``wo`` weights (what the model keeps) get gradients.
+    Negative control: the plain seq2seq batch (one text row per example) fails its forward."""
+    from pytest_fp32keep.check.families.batches import family_batch
+
+    model: Any = entries.build_class(pick_class(discovery.model_classes("musicgen")), "musicgen")
+    codebooks = model.config.decoder.num_codebooks
+    batch = family_batch(model, 0)
+    rows, seq = batch["decoder_input_ids"].shape
+    assert batch["labels"].shape == (rows // codebooks, seq, codebooks)
+    assert rows == batch["input_ids"].shape[0] * codebooks
+    model(**batch).loss.backward()
+    wo = _t5_wo(model, "text_encoder.")
+    assert wo and all(model.get_parameter(name).grad is not None for name in wo)
+    plain = {**batch, "decoder_input_ids": batch["input_ids"], "labels": batch["input_ids"]}
+    with pytest.raises(RuntimeError, match="is invalid for input of size"):
+        model(**plain)
