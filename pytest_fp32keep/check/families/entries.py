@@ -81,7 +81,7 @@ def family_pick(family: str) -> Pick:
 
     The plan of the built model is the judge of whether a family keeps anything: a class
     attribute may be empty while 5.1+'s ``post_init`` merges a child's list (MusicGen), or
-    non-empty while its entries match nothing of the default config (Dots1 without experts).
+    non-empty while its entries match nothing of the built model (5.10's GlmAsr).
     When no class keeps a tensor but one failed to build, that first build error is raised:
     whether the family keeps something is then unknown, and the family is listed as not
     buildable with that reason rather than left out.
