@@ -72,7 +72,6 @@ from pytest_fp32keep.contract.report import ContractReport, ContractViolation, F
 from pytest_fp32keep.contract.steps import (
     CastFn,
     LoadFn,
-    NonFiniteReference,
     Pass,
     Run,
     ShardFn,
@@ -82,8 +81,8 @@ from pytest_fp32keep.contract.steps import (
     default_shard,
     describe_context,
     device_of,
+    finite_reference,
     master_cast,
-    non_finite,
     set_prefetch,
     to_device,
 )
@@ -196,16 +195,7 @@ class _Steps:
         def run() -> Run:
             self.used = reference.observe()
             reference.forward()
-            result = reference.backward()
-            # a NaN reference would turn every parity row into a false failure of the model
-            # under test: it is a crash of the reference, named, and nothing is judged against it
-            if (problem := non_finite(result)) is not None:
-                raise NonFiniteReference(
-                    f"{problem} in {self.setup.dtype} in the unsharded reference (cast keep-aware, "
-                    "no FSDP2): nothing can be judged against it; the model overflows or divides "
-                    "by zero at this dtype with these weights and this batch"
-                )
-            return result
+            return finite_reference(reference.backward(), self.setup.dtype)
 
         # every rank's observation travels with the step's agreement (bounded), so the shard
         # and the control get the same merged one on every rank

@@ -249,6 +249,20 @@ def non_finite(run: Run) -> str | None:
     return f"{name} holds {what}" + (f" (and {more} more tensors)" if more else "")
 
 
+def finite_reference(run: Run, dtype: torch.dtype) -> Run:
+    """``run`` of the unsharded reference, or :class:`NonFiniteReference` naming what of it is
+    not finite: a NaN reference would turn every parity row into a false failure of the model
+    under test, so it is a crash of the reference and nothing is judged against it."""
+    problem = non_finite(run)
+    if problem is not None:
+        raise NonFiniteReference(
+            f"{problem} in {dtype} in the unsharded reference (cast keep-aware, no FSDP2): "
+            "nothing can be judged against it; the model overflows or divides by zero at this "
+            "dtype with these weights and this batch"
+        )
+    return run
+
+
 class Pass:
     """One forward and backward of ``model`` on ``batch`` under a dtype probe, as two steps.
 
