@@ -1,4 +1,4 @@
-"""How long ``fp32keep check --all-families`` takes: every family that declares a keep list.
+"""How long ``fp32keep check --all-families`` takes: every family whose model keeps a tensor.
 
     python bench/bench_families.py [--quick] [--json OUT] [--transformers 5.24.0]
 

@@ -104,8 +104,8 @@ def test_family_plan_matches_from_pretrained(
     Its id is ``[FAMILY-DTYPE]``, which ``table.read_oracle`` reads back from the JUnit XML. The
     build is not guarded: it fails the case, unless :data:`NOT_BUILDABLE` expects it to.
     """
-    if family not in families.keep_families():
-        pytest.skip(f"transformers has no family {family} that declares a keep list")
+    if not families.listed(family):
+        pytest.skip(f"transformers has no family {family} whose model keeps a tensor")
     fresh: Any = entries.build_family_model(family)  # the oracle needs no batch or forward
     plan = resolve_keep_plan(fresh, dtype)
     oracle, _ = _oracle(fresh, dtype, tmp_path)
@@ -184,20 +184,136 @@ def test_oracle_counts_read_from_junit(tmp_path: Path) -> None:
     assert "## Plan oracle" not in table.render([], ["5.10"])
 
 
-def test_every_listed_family_declares_a_keep_list() -> None:
-    """Listed families have a declaring class; a family that only mentions one is left out."""
+@pytest.mark.slow
+def test_every_listed_family_keeps_a_tensor() -> None:
+    """Every listed family's checked class keeps a tensor at fp16 or bf16 in a fresh build
+    (the plan, resolved here again, not the listing's cached answer); every candidate left out
+    builds and keeps nothing. Slow: it builds every candidate (``--all-families``' listing)."""
     listed = families.keep_families()
     assert "t5" in listed
-    for family in listed[:3]:
-        classes = families.declaring_classes(family)
-        assert classes and all(
-            getattr(cls, "_keep_in_fp32_modules", None)
-            or getattr(cls, "_keep_in_fp32_modules_strict", None)
-            for cls in classes
-        )
-    mention_only = set(discovery.mentioning_families()) - set(listed)
-    for family in sorted(mention_only)[:2]:  # e.g. `_keep_in_fp32_modules_strict = []`
-        assert not families.declaring_classes(family)
+    for family in listed:
+        try:
+            model = entries.build_family_model(family)
+        except Exception:  # not buildable: listed with its reason (probe), nothing to judge
+            continue
+        assert any(resolve_keep_plan(model, dtype).names for dtype in LOW_PRECISION), family
+    for family in sorted(set(discovery.candidate_families()) - set(listed)):
+        pick = families.family_pick(family)  # raises for a candidate that does not build
+        assert pick.cls is None and pick.passed_over, family
+
+
+def _t5_wo(model: Any, prefix: str) -> set[str]:
+    """T5's regular ``["wo"]`` read independently of the plan: the FFN output Linear of every
+    block under ``prefix`` (the names of 5.x's substring rule and 4.x's segment rule alike,
+    since a T5 stack has no other name containing ``wo``)."""
+    return {
+        name
+        for name, _ in model.named_parameters()
+        if name.startswith(prefix) and name.endswith(".DenseReluDense.wo.weight")
+    }
+
+
+def test_a_composed_family_is_listed_by_the_plan_of_its_built_model() -> None:
+    """MusicGen declares nothing in its own files, but its default config holds a T5 text
+    encoder: a candidate. 5.1+'s ``post_init`` merges T5's ``["wo"]`` into the whole model, so
+    its built model keeps the encoder's ``wo`` weights at fp16 (a regular list: nothing at
+    bf16) and it is listed, with its whole model checked. Negative control in 4.x: only the
+    top model's lists are read there, so the same model keeps nothing and is not listed."""
+    from packaging.version import Version
+
+    assert "musicgen" not in discovery.mentioning_families()
+    assert discovery.is_candidate("musicgen")
+    model: Any = entries.build_family_model("musicgen") if families.listed("musicgen") else None
+    if Version(transformers_version()) < Version("5.1"):
+        assert model is None and families.family_pick("musicgen").cls is None
+        with pytest.raises(families.FamilyError, match="keeps nothing"):
+            families.check_family_names(["musicgen"])
+        return
+    assert type(model).__name__ == "MusicgenForConditionalGeneration"
+    wo = _t5_wo(model, "text_encoder.")
+    assert len(wo) == shrink.LAYERS
+    assert resolve_keep_plan(model, torch.float16).names == wo
+    assert not resolve_keep_plan(model, torch.bfloat16).names
+    families.check_family_names(["musicgen"])
+    assert families.family_entry("musicgen").dtypes == (torch.float16,)
+
+
+def test_a_family_whose_built_model_keeps_nothing_is_not_listed() -> None:
+    """Negative controls of discovery.
+
+    Granite Speech holds Blip2's ``Blip2QFormerConfig``, yet no declaring class is built from
+    it (``Blip2QFormerModel`` declares nothing): not even a candidate. Llama declares nothing.
+    GlmAsr (5.x) mentions a keep list (5.10 declares a strict ``embed_positions`` on its whole
+    model, 5.25 an empty one), yet no tensor of its built model is kept: its plan keeps nothing
+    at either dtype, so it is not listed."""
+    assert "blip_2" in {
+        cls.__module__.split(".")[2]
+        for config_class in discovery.config_classes("granite_speech")
+        for cls in discovery.held_config_classes(config_class)
+    }
+    assert not discovery.is_candidate("granite_speech")
+    assert not families.listed("granite_speech") and not families.listed("llama")
+    if not (discovery.models_dir() / "glmasr").is_dir():
+        return  # 4.x has no GlmAsr
+    assert discovery.is_candidate("glmasr")
+    model = entries.build_class(pick_class(discovery.model_classes("glmasr")), "glmasr")
+    assert not any(resolve_keep_plan(model, dtype).names for dtype in LOW_PRECISION)
+    pick = families.family_pick("glmasr")
+    assert pick.cls is None and pick.passed_over
+    assert not families.listed("glmasr")
+    with pytest.raises(families.FamilyError, match=r"'glmasr' .*keeps nothing"):
+        families.check_family_names(["glmasr"])
+
+
+def test_a_copy_of_a_zoo_model_takes_its_written_expectations(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """InstructBlipVideo is generated from InstructBlip's classes: its target expects a refusal
+    exactly where the curated ``instructblip`` entry's rows say (whatever they say), as
+    InstructBlip's own family does; a family without a zoo entry expects none. Negative
+    control: without its ``SAME_LAYOUT_AS`` line, InstructBlipVideo expects nothing."""
+    from pytest_fp32keep.check.families import overrides
+    from pytest_fp32keep.check.ranks import DTYPES
+    from pytest_fp32keep.check.targets import family_targets
+    from pytest_fp32keep.check.zoo import ZOO
+
+    written = ZOO["instructblip"].refused_under()
+
+    def expected(family: str) -> frozenset[torch.dtype]:
+        (target,) = family_targets([family])
+        return frozenset(d for d in DTYPES.values() if target.refusal_expected(d))
+
+    assert families.curated_entry("instructblipvideo") is ZOO["instructblip"]
+    assert expected("instructblipvideo") == expected("instructblip") == written
+    assert families.family_entry("instructblipvideo").expect_layout_error == (
+        ZOO["instructblip"].expect_layout_error
+    )
+    assert families.curated_entry("mt5") is None and expected("mt5") == frozenset()
+    monkeypatch.setattr(entries, "SAME_LAYOUT_AS", {})
+    assert "instructblipvideo" in overrides.SAME_LAYOUT_AS
+    families.family_entry.cache_clear()
+    try:
+        assert families.curated_entry("instructblipvideo") is None
+        assert expected("instructblipvideo") == frozenset()
+    finally:
+        families.family_entry.cache_clear()
+
+
+@pytest.mark.parametrize("family", ["nemotron3_5_transcribe", "deepseek_ocr2", "unlimited_ocr"])
+def test_the_whole_multimodal_model_is_checked(family: str) -> None:
+    """These families declare their strict list on a base or text model only; their whole
+    model (towers and head) merges it in 5.1+ and is the class checked, keeping what the
+    declaring model alone keeps, under the whole model's prefix. No class was passed over."""
+    if not families.listed(family):
+        pytest.skip(f"transformers {transformers_version()} has no {family}")
+    pick = families.family_pick(family)
+    assert pick.cls is not None and pick.cls.__name__.endswith("ForConditionalGeneration")
+    assert pick.passed_over == ()
+    (declaring,) = families.declaring_classes(family)
+    base_kept = resolve_keep_plan(entries.build_class(declaring, family), torch.bfloat16).names
+    whole_kept = resolve_keep_plan(entries.build_family_model(family), torch.bfloat16).names
+    assert base_kept and whole_kept == pick.kept[torch.bfloat16]
+    assert all(any(name.endswith("." + kept) for name in whole_kept) for kept in base_kept)
 
 
 def test_the_whole_model_class_is_picked() -> None:
@@ -264,12 +380,13 @@ def test_family_batch_gives_features_in_the_model_dtype() -> None:
     gives them: GlmAsr feeds ``input_features`` straight to its conv, so FP32 features made the
     batch itself fail on the contract's cast reference (``Input type (float) and bias type
     (c10::BFloat16)``). An FP32 model still gets FP32 features; ids stay integer."""
-    if "glmasr" not in families.keep_families():
+    if not (discovery.models_dir() / "glmasr").is_dir():
         pytest.skip("transformers has no glmasr family")
     from fp32keep import keep_aware_cast
     from pytest_fp32keep.check.families.batches import family_batch
 
-    model: Any = entries.build_family_model("glmasr")
+    # (GlmAsr's model keeps nothing, so it is not listed: its class is built directly)
+    model: Any = entries.build_class(pick_class(discovery.model_classes("glmasr")), "glmasr")
     assert family_batch(model, 0)["input_features"].dtype == torch.float32
     keep_aware_cast(model, torch.bfloat16)
     batch = family_batch(model, 0)
@@ -416,7 +533,7 @@ def test_vision_tower_gets_pixels_and_gradients(family: str, prefix: str) -> Non
     ``image_grid_thw`` and placeholders; a whole image), so every tower parameter gets a
     gradient. Negative control: the same batch without pixels (the old text-only batch)
     leaves the tower without any."""
-    if family not in families.keep_families():
+    if not families.listed(family):
         pytest.skip(f"transformers has no {family} family")
     from pytest_fp32keep.check.families.batches import family_batch
 
@@ -441,7 +558,7 @@ def test_multi_codebook_model_gets_one_code_per_codebook() -> None:
     """KyutaiSpeechToText embeds ``(batch, seq, 1 + num_codebooks)`` ids (text, then audio
     codes) and sums them; its codec runs in ``generate`` only. Negative control: the plain
     text ids fail in its embedding (the shapes do not broadcast)."""
-    if "kyutai_speech_to_text" not in families.keep_families():
+    if not families.listed("kyutai_speech_to_text"):
         pytest.skip("transformers has no kyutai_speech_to_text family")
     from pytest_fp32keep.check.families.batches import family_batch
 
@@ -459,7 +576,7 @@ def test_multi_codebook_model_gets_one_code_per_codebook() -> None:
 
 
 def _family_or_skip(family: str) -> None:
-    if family not in families.keep_families():
+    if not families.listed(family):
         pytest.skip(f"transformers {transformers_version()} has no {family} family")
 
 
@@ -588,3 +705,24 @@ def test_linear_attention_families_hold_the_read_conv_and_refuse_truly_mixed_mod
     text = _refusal_text("glm5_next")
     assert text is not None and "read-not-called" not in text and "self_attn.conv1d" not in text
     assert "attn_hc.base" in text and "not keep: fn (torch.bfloat16)" in text
+
+
+def test_code_stream_decoder_gets_one_row_per_codebook() -> None:
+    """MusicGen's decoder predicts one stream of audio codes per codebook: its batch has
+    labels ``(batch, seq, codebooks)`` and decoder inputs ``(batch * codebooks, seq)``, the text
+    ids go to the T5 encoder, whose ``wo`` weights (what the model keeps) get gradients.
+    Negative control: the plain seq2seq batch (one text row per example) fails its forward."""
+    from pytest_fp32keep.check.families.batches import family_batch
+
+    model: Any = entries.build_class(pick_class(discovery.model_classes("musicgen")), "musicgen")
+    codebooks = model.config.decoder.num_codebooks
+    batch = family_batch(model, 0)
+    rows, seq = batch["decoder_input_ids"].shape
+    assert batch["labels"].shape == (rows // codebooks, seq, codebooks)
+    assert rows == batch["input_ids"].shape[0] * codebooks
+    model(**batch).loss.backward()
+    wo = _t5_wo(model, "text_encoder.")
+    assert wo and all(model.get_parameter(name).grad is not None for name in wo)
+    plain = {**batch, "decoder_input_ids": batch["input_ids"], "labels": batch["input_ids"]}
+    with pytest.raises(RuntimeError, match="is invalid for input of size"):
+        model(**plain)

@@ -67,6 +67,9 @@ class KeptSelection:
             (see the module docstring).
         reader_obstacles: for each trainable module of ``read_directly``, why its reader cannot
             hold it (for the refusal to say).
+        root_obstacle: why a root that directly owns kept, trainable parameters cannot be an
+            owner unit (:func:`root_obstacle`), for the ``root-owned`` refusal to say; ``None``
+            when it is one, or owns none.
     """
 
     top: list[str] = field(default_factory=list)
@@ -75,6 +78,7 @@ class KeptSelection:
     owner_children: list[str] = field(default_factory=list)
     read_directly: list[DirectRead] = field(default_factory=list)
     reader_obstacles: dict[str, str] = field(default_factory=dict)
+    root_obstacle: str | None = None
 
 
 def _direct_float_params(model: nn.Module) -> dict[str, list[str]]:
@@ -115,11 +119,11 @@ def kept_modules(
 
     def owns_only_kept(fqn: str, module: nn.Module) -> bool:
         # Only trainable ones: frozen kept parameters of such a module (a router's correction
-        # bias) stay replicated, whole on every rank, which costs no collective at all.
+        # bias) stay replicated, whole on every rank, which costs no collective at all. The root
+        # too (Blip2's query_tokens): its children then get units, and it is sharded last.
         names = direct.get(fqn, [])
         return (
-            bool(fqn)
-            and bool(names)
+            bool(names)
             and has_own_forward(module)
             and all(name in plan.param_names for name in names)
             and any(name in trainable for name in names)
@@ -136,17 +140,22 @@ def kept_modules(
                 out.extend(callable_descendants(child_fqn, child))
         return out
 
-    def add_owner_children(fqn: str, module: nn.Module) -> None:
+    def owner_children(fqn: str, module: nn.Module) -> list[str]:
+        out: list[str] = []
         for child_name, child in module.named_children():
             child_fqn = join(fqn, child_name)
             if below.get(child_fqn) and not fully_kept(child_fqn):
-                found.owner_children.extend(
+                out.extend(
                     unit_fqn
                     for unit_fqn, unit_module in callable_descendants(child_fqn, child)
                     if not fully_kept(unit_fqn)
                     and not is_target(unit_module)
                     and not owns_only_kept(unit_fqn, unit_module)
                 )
+        return out
+
+    def add_owner_children(fqn: str, module: nn.Module) -> None:
+        found.owner_children.extend(owner_children(fqn, module))
 
     def reader_obstacle(read: DirectRead) -> str | None:
         # The reader's own unit can all-gather the read tensors only if it claims nothing else
@@ -193,13 +202,39 @@ def kept_modules(
             add_owner_children(read.reader_fqn, model.get_submodule(read.reader_fqn))
         return False
 
+    def add_root_owner() -> None:
+        # Everything but the root's own (kept) parameters must leave the root's FP32 unit: each
+        # child gets a unit, and so does the input embedding the root calls itself
+        # (``self.get_input_embeddings()(input_ids)``), which would otherwise be gathered only
+        # in its parent's forward, after the root already used it.
+        children = owner_children("", model)
+        embedding = root_called_embedding(model)
+        if (
+            embedding is None
+            or embedding in children
+            or is_target(model.get_submodule(embedding))  # a unit already
+            or any(fully_kept(fqn) for fqn in _self_and_ancestors(embedding))
+        ):
+            embedding = None
+        else:
+            children.append(embedding)
+        found.root_obstacle = root_obstacle(model, children, find_read, embedding)
+        if found.root_obstacle is None:
+            found.owners.append("")
+            found.owner_children.extend(children)
+
     def visit(fqn: str, module: nn.Module) -> None:
         if fully_kept(fqn):
             for unit_fqn, unit_module in callable_descendants(fqn, module):
                 if keep(unit_fqn, unit_module, found.top):
                     nest(unit_fqn, unit_module)
             return
-        if owns_only_kept(fqn, module) and keep(fqn, module, found.owners):
+        if not fqn:
+            if owns_only_kept(fqn, module):
+                add_root_owner()
+            else:  # the refusal, where one is due, says which condition failed
+                found.root_obstacle = _root_not_owner(module, direct.get("", []), plan)
+        elif owns_only_kept(fqn, module) and keep(fqn, module, found.owners):
             add_owner_children(fqn, module)
         for child_name, child in module.named_children():
             visit(join(fqn, child_name), child)
@@ -211,3 +246,75 @@ def kept_modules(
 
     visit("", model)
     return found
+
+
+def root_called_embedding(model: nn.Module) -> str | None:
+    """The FQN of the input embedding ``model.get_input_embeddings()`` returns, when it lies
+    below a child of the root (Blip2's ``language_model.model.decoder.embed_tokens``).
+
+    Transformers' vision-language models embed the text in the root's own forward
+    (``self.get_input_embeddings()(input_ids)``), not in the language model's: as part of the
+    language model's unit the embedding would be used before that unit is all-gathered.
+    ``None`` without such a method (a plain module), when it raises, or for a direct child.
+    """
+    getter = getattr(model, "get_input_embeddings", None)
+    if not callable(getter):
+        return None
+    try:
+        embedding = getter()
+    except (NotImplementedError, AttributeError):  # Transformers' default when unset
+        return None
+    fqn = next((name for name, module in model.named_modules() if module is embedding), None)
+    return fqn if fqn is not None and "." in fqn else None
+
+
+def root_obstacle(
+    model: nn.Module, units: list[str], find_read: ReadFinder, called: str | None = None
+) -> str | None:
+    """Why the root cannot be an FP32 unit holding only its own kept parameters, when its
+    ``units`` (children, and ``called``: the embedding it calls) get units of their own;
+    ``None`` when it can.
+
+    It cannot when a tensor of one of them is read without a call: FSDP2 would never all-gather
+    that unit before the read (the root's parameters the plan does not keep are checked by the
+    caller, which names them). The source scan counts ``NAME.TENSOR`` as a read only while no
+    ancestor calls ``NAME(...)``, and cannot tie the root's ``get_input_embeddings()(...)`` to
+    the embedding's name, so for ``called`` only an observed read counts (T5's
+    ``_init_weights`` spells ``module.shared.weight``).
+    """
+    for fqn in units:
+        read = find_read(model, fqn)
+        if read is None or (fqn == called and read.evidence == "source"):
+            continue
+        return (
+            f"{read.reader} reads {read.expression} without calling {fqn!r}, which would "
+            "then be a unit of its own that FSDP2 never all-gathers before the read"
+        )
+    return None
+
+
+def _root_not_owner(root: nn.Module, names: list[str], plan: KeepPlan) -> str | None:
+    """Why a root that directly owns kept parameters is not an owner unit (``None``: it owns
+    none, or none of its checks failed)."""
+    others = [name for name in names if name not in plan.param_names]
+    if others and len(others) < len(names):
+        params = dict(root.named_parameters(recurse=False))
+        shown = ", ".join(f"{name} ({dtype_name(params[name].dtype)})" for name in others[:4])
+        return (
+            f"it also directly owns parameters the plan does not keep ({shown}"
+            f"{' …' if len(others) > 4 else ''}), and FSDP2 puts a module's own parameters in "
+            "one unit"
+        )
+    if names and not others:
+        if not has_own_forward(root):
+            return "it has no forward of its own, so FSDP2's hooks on it would never run"
+        return (
+            "its kept parameters are frozen, and this torch's fully_shard cannot leave them out "
+            "(ignored_params) to replicate them"
+        )
+    return None
+
+
+def _self_and_ancestors(fqn: str) -> list[str]:
+    parts = fqn.split(".")
+    return [".".join(parts[:cut]) for cut in range(len(parts), 0, -1)]

@@ -40,6 +40,7 @@ from fp32keep.observe import ParameterUse, UnitMembers
 from fp32keep.plan import KeepPlan
 from fp32keep.reads import DirectRead, find_direct_read
 from fp32keep.tensors import dtype_name, is_castable_float, iter_owned, join
+from fp32keep.tied_units import TieGroup, sharding_order, tie_groups
 
 UnitKind = Literal["kept", "standard", "root"]
 KeptGrouping: TypeAlias = bool | Literal["block", "model"]
@@ -223,8 +224,7 @@ def plan_layout(
     draft = _draft(model, plan, wrap, group_kept, replicate_frozen, observed)
     if draft.problems:  # checked here, so a refusal's traceback shows this short frame only
         raise KeepLayoutError(draft.problems, model_name=type(model).__name__)
-    # Children before parents: fully_shard claims the parameters not yet claimed below it.
-    ordered = sorted(draft.units, key=lambda unit: (-unit.depth, unit.kind != "kept"))
+    ordered = sharding_order(draft.units)
     methods = methods_to_gather(model, draft.members, observed)
     return Layout(tuple(ordered), draft.owner, tuple(draft.replicated), methods)
 
@@ -266,34 +266,60 @@ def _draft(
         for fqn, module in modules.items()
         if fqn and not under_kept(fqn) and fqn not in taken and is_target(module)
     ]
-    units: list[Unit] = []
-    unit_of_module: dict[str, int] = {}
 
-    def add(kind: UnitKind, fqns: Sequence[str], stays_gathered: bool = False) -> None:
-        for fqn in fqns:
-            unit_of_module[fqn] = len(units)
-        depth = max(_depth(fqn) for fqn in fqns)
-        units.append(Unit(kind, tuple(fqns), depth, stays_gathered))
+    def build(ties: Sequence[TieGroup]) -> tuple[list[Unit], dict[str, int]]:
+        """The units, each module's unit index; a module of a tie group is in that group only."""
+        grouped = {fqn for _, fqns in ties for fqn in fqns}
+        units: list[Unit] = []
+        unit_of_module: dict[str, int] = {}
 
-    for fqn in standard + selection.owner_children:
-        add("standard", [fqn])
-    if "" not in kept:
-        add("root", [""])
-    if grouping == "block":
-        groups: dict[int, list[str]] = defaultdict(list)
-        for fqn in kept:
-            groups[_innermost(unit_of_module, fqn)].append(fqn)
-        for fqns in groups.values():
-            add("kept", fqns)
-    elif grouping == "model" and kept and kept != [""]:
-        add("kept", kept, stays_gathered=True)
-    else:
-        for fqn in kept:
-            add("kept", [fqn])
-    # Never grouped: an owner is sharded after its children's units, a nested unit before the
-    # kept unit around it; a group spanning depths would claim their parameters first.
-    for fqn in selection.owners + selection.nested:
-        add("kept", [fqn])
+        def add(kind: UnitKind, fqns: Sequence[str], stays_gathered: bool = False) -> None:
+            for fqn in fqns:
+                unit_of_module[fqn] = len(units)
+            depth = max(_depth(fqn) for fqn in fqns)
+            units.append(Unit(kind, tuple(fqns), depth, stays_gathered))
+
+        for fqn in standard + selection.owner_children:
+            if fqn not in grouped:
+                add("standard", [fqn])
+        if "" in selection.owners:  # the root owns only kept parameters: an FP32 unit, last
+            add("kept", [""])
+        elif "" not in kept:
+            add("root", [""])
+        top = [fqn for fqn in kept if fqn not in grouped]
+        if grouping == "block":
+            groups: dict[int, list[str]] = defaultdict(list)
+            for fqn in top:
+                groups[_innermost(unit_of_module, fqn)].append(fqn)
+            for fqns in groups.values():
+                add("kept", fqns)
+        elif grouping == "model" and top and top != [""]:
+            add("kept", top, stays_gathered=True)
+        else:
+            for fqn in top:
+                add("kept", [fqn])
+        # Never grouped: an owner is sharded after its children's units, a nested unit before the
+        # kept unit around it; a group spanning depths would claim their parameters first.
+        for fqn in selection.owners + selection.nested:
+            if fqn and fqn not in grouped:
+                add("kept", [fqn])
+        # A tie group's modules run at different times (the embedding first, the head last), so
+        # it stays gathered in between anyway; not resharding after forward also lets torch
+        # releases that wait for every module of a group finish one whose modules did not all run.
+        for kind, members in ties:
+            add(kind, members, stays_gathered=True)
+        return units, unit_of_module
+
+    units, unit_of_module = build(())
+    ties = tie_groups(
+        model,
+        plan,
+        {fqn: (unit.kind, unit.module_fqns) for unit in units for fqn in unit.module_fqns},
+        lambda module_fqn: _innermost(unit_of_module, module_fqn),
+        below,
+    )
+    if ties:
+        units, unit_of_module = build(ties)
 
     owner, replicated, problems = _assign_and_validate(
         model,
@@ -304,6 +330,7 @@ def _draft(
         read_directly=selection.read_directly,
         reader_obstacles=selection.reader_obstacles,
         find_read=find_read,
+        root_obstacle=selection.root_obstacle,
     )
     managed: dict[str, list[str]] = defaultdict(list)
     for name, label in owner.items():
@@ -336,6 +363,7 @@ def _assign_and_validate(
     read_directly: Sequence[DirectRead] = (),
     reader_obstacles: Mapping[str, str] | None = None,
     find_read: ReadFinder = find_direct_read,
+    root_obstacle: str | None = None,
 ) -> tuple[dict[str, str], list[str], list[LayoutProblem]]:
     """``(owner, replicated, problems)``: the unit label of every parameter name, the kept
     frozen parameters left out of FSDP2, and every problem found (empty when the layout holds).
@@ -403,7 +431,8 @@ def _assign_and_validate(
             problems.append(read_problem(first, read, unit.label, replicate_frozen, low, obstacle))
         elif unit.kind == "root":
             reader = find_read(model, module_fqn) if module_fqn else None
-            problems.append(root_problem(first, model, module_fqn, low, reader))
+            obstacle = None if module_fqn else root_obstacle
+            problems.append(root_problem(first, model, module_fqn, low, reader, obstacle))
         elif unit.kind == "standard":
             problems.append(mixed_problem(first, model, module_fqn, unit.label, not_kept_owned))
         if len(problems) > count_before:

@@ -98,11 +98,16 @@ def uncovered_problem(fqn: str, unit_label: str, stack: Stack, low: str) -> Layo
 
 
 def root_problem(
-    fqn: str, model: nn.Module, module_fqn: str, low: str, reader: DirectRead | None
+    fqn: str,
+    model: nn.Module,
+    module_fqn: str,
+    low: str,
+    reader: DirectRead | None,
+    obstacle: str | None = None,
 ) -> LayoutProblem:
     """A kept parameter that falls in the root unit: owned by the root itself, or by a module
     no unit can be (a ``ParameterList`` or ``ParameterDict`` has no forward), named with the
-    module that reads it."""
+    module that reads it; ``obstacle``: why the root cannot be an FP32 unit of its own."""
     root = type(model).__name__
     if module_fqn:
         owner = model.get_submodule(module_fqn)
@@ -123,6 +128,8 @@ def root_problem(
         )
     else:
         where = f"owned directly by the root module ({root})"
+        if obstacle:
+            where += f", which cannot be an FP32 unit of its own: {obstacle}"
         fix = "move it into a submodule"
     return LayoutProblem(
         fqn,

@@ -147,12 +147,20 @@ class ParameterUse:
 
     def direct_read(self, model: nn.Module, module_fqn: str) -> DirectRead | None:
         """An observed use of a parameter ``module_fqn`` owns directly while that module ran
-        neither a call nor a method: the innermost running ancestor read it. ``None`` if none."""
+        neither a call nor a method: the innermost running ancestor read it. ``None`` if none.
+
+        A use while another owner of a tied alias ran (a tied ``lm_head`` using the embedding's
+        weight) is that owner's call, not a read: the layout puts tied owners in one unit.
+        """
         module = model.get_submodule(module_fqn)
         for attribute, _ in module.named_parameters(recurse=False):
             name = f"{module_fqn}.{attribute}" if module_fqn else attribute
+            canonical = self._canonical.get(name, name)
+            owners = {module_fqn} | {
+                alias.rpartition(".")[0] for alias in self._aliases.get(canonical, ())
+            }
             for stack in sorted(self.stacks(name)):
-                if _unit_frames(stack, {module_fqn}):
+                if _unit_frames(stack, owners):
                     continue
                 ancestors = [
                     (fqn, method)

@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--all-families",
         action="store_true",
-        help="check every family of the installed Transformers that declares a keep list",
+        help="check every family of the installed Transformers whose model keeps a tensor",
     )
     check.add_argument(
         "--list",

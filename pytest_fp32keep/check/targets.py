@@ -187,22 +187,19 @@ def family_availability(names: list[str]) -> tuple[list[str], Mapping[str, str]]
 def family_targets(names: list[str]) -> list[Target]:
     """The families ``names`` as targets (built lazily; the caller probed them)."""
     from pytest_fp32keep.check.families import family_entry
-    from pytest_fp32keep.check.zoo import ZOO
 
     _check_families(names)
     targets = []
     for name in names:
+        # the curated zoo's written refusals where the family has them (curated_entry)
         entry = family_entry(name)
-        # A family with a curated zoo entry of the same class takes its written refusals.
-        curated = [z.refused_under() for z in ZOO.values() if z.model_class == entry.model_class]
-        # (family_entry set expect_layout_error from the same zoo entries)
         targets.append(
             Target(
                 family_spec(name),
                 entry.build,
                 partial(_zoo_batch, entry),
                 entry.expect_layout_error,
-                curated[0] if curated else None,
+                entry.refused_under(),
             )
         )
     return targets

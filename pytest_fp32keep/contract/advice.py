@@ -34,9 +34,9 @@ MARK_CLOSE: Final = "«"
 _PIECES: Final = re.compile(r"[^\s,;=()\[\]]+|[\s,;=()\[\]]+")
 
 #: Per check kind: the likely cause, then the fix, in the project's terms. ``crashed`` is a step
-#: of the implementation under test that raised (subject: cast, shard, load, forward, backward or
-#: batch). No line names another kind, so that ``pytest.raises(ContractViolation, match=KIND)``
-#: still tells which kinds failed.
+#: that raised (subject: the reference, or the implementation's cast, shard, load, forward,
+#: backward or batch). No line names another kind, so that
+#: ``pytest.raises(ContractViolation, match=KIND)`` still tells which kinds failed.
 WHAT_TO_DO: Final[dict[str, str]] = {
     "stored": "kept tensors are stored in low precision after cast/shard (a blanket "
     "model.to(dtype)?): cast with fp32keep.keep_aware_cast instead, and do not cast again after "
@@ -58,7 +58,9 @@ WHAT_TO_DO: Final[dict[str, str]] = {
     "existing parameters instead of load_state_dict(assign=True)",
     "crashed": "a step of the implementation under test raised (the subject names it: cast, "
     "shard, load, forward, backward or batch); its error is in the observed cell. A "
-    "KeepLayoutError from shard is a layout FSDP2 cannot keep: see docs/errors.md, rows L1-L6",
+    "KeepLayoutError from shard is a layout FSDP2 cannot keep: see docs/errors.md, rows L1-L6. "
+    "Subject reference: the unsharded model itself failed (or computed NaN) before anything of "
+    "the implementation ran; fix the model, its weights or the batch at this dtype",
 }
 
 

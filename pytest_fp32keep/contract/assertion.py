@@ -81,6 +81,7 @@ from pytest_fp32keep.contract.steps import (
     default_shard,
     describe_context,
     device_of,
+    finite_reference,
     master_cast,
     set_prefetch,
     to_device,
@@ -194,7 +195,7 @@ class _Steps:
         def run() -> Run:
             self.used = reference.observe()
             reference.forward()
-            return reference.backward()
+            return finite_reference(reference.backward(), self.setup.dtype)
 
         # every rank's observation travels with the step's agreement (bounded), so the shard
         # and the control get the same merged one on every rank

@@ -226,6 +226,43 @@ class Run:
     alerts: tuple[str, ...] = ()
 
 
+class NonFiniteReference(ArithmeticError):
+    """The unsharded reference itself computed a NaN or an infinity: nothing can be judged
+    against it (the model overflows or divides by zero at this dtype, with these weights and
+    this batch, before FSDP2 runs anything)."""
+
+
+def non_finite(run: Run) -> str | None:
+    """What of ``run`` holds a NaN or an infinity: the loss, the logits, then the gradients by
+    name (the first, and how many more); ``None`` when every one is finite."""
+    named = [("loss", run.loss), ("logits", run.logits)]
+    grads = sorted(run.grads.items())
+    named += [(f"grad {name}", grad) for name, grad in grads if grad is not None]
+    bad = [
+        (name, "NaN" if bool(torch.isnan(tensor).any()) else "inf")
+        for name, tensor in named
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
+    ]
+    if not bad:
+        return None
+    (name, what), more = bad[0], len(bad) - 1
+    return f"{name} holds {what}" + (f" (and {more} more tensors)" if more else "")
+
+
+def finite_reference(run: Run, dtype: torch.dtype) -> Run:
+    """``run`` of the unsharded reference, or :class:`NonFiniteReference` naming what of it is
+    not finite: a NaN reference would turn every parity row into a false failure of the model
+    under test, so it is a crash of the reference and nothing is judged against it."""
+    problem = non_finite(run)
+    if problem is not None:
+        raise NonFiniteReference(
+            f"{problem} in {dtype} in the unsharded reference (cast keep-aware, no FSDP2): "
+            "nothing can be judged against it; the model overflows or divides by zero at this "
+            "dtype with these weights and this batch"
+        )
+    return run
+
+
 class Pass:
     """One forward and backward of ``model`` on ``batch`` under a dtype probe, as two steps.
 

@@ -19,9 +19,11 @@ def kept_stack() -> nn.Module:
 
 
 def root_owned() -> nn.Module:
-    """A toy whose kept parameter belongs to the root: FSDP2 cannot keep it."""
+    """A toy whose kept parameter belongs to the root, beside one that is not kept: FSDP2
+    cannot keep it (one unit would hold both)."""
     model = stack_class(strict=["query_tokens"])()
     model.register_parameter("query_tokens", nn.Parameter(torch.randn(2, 8)))
+    model.register_parameter("scale", nn.Parameter(torch.ones(8)))
     return model
 
 

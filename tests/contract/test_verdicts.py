@@ -25,7 +25,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 import fp32keep
 from fp32keep import KeepPlan
 from pytest_fp32keep import ContractReport, ContractViolation, assert_fp32_keep_contract
+from pytest_fp32keep.contract.probe import DtypeProbe
 from pytest_fp32keep.contract.report import Finding
+from pytest_fp32keep.contract.steps import Run, non_finite
 from pytest_fp32keep.contract.verdicts import (
     Crash,
     batch_fingerprint,
@@ -93,6 +95,22 @@ def test_crash_rows_group_the_ranks_of_one_exception() -> None:
         ("shard", "ValueError: bad (rank 2)"),
     }
     assert not any(f.ok for f in crash_findings(crashes))
+
+
+def _run(loss: float, grads: dict[str, torch.Tensor | None]) -> Run:
+    return Run(torch.zeros(2, 3), torch.tensor(loss), grads, DtypeProbe(nn.Identity()))
+
+
+def test_a_non_finite_reference_is_named_loss_first_then_gradients_by_name() -> None:
+    finite = {"b.weight": torch.ones(2), "a.weight": torch.zeros(2), "unused": None}
+    assert non_finite(_run(1.0, finite)) is None  # the negative control: nothing to name
+    nan_grads = {**finite, "b.weight": torch.tensor([1.0, float("nan")])}
+    assert non_finite(_run(1.0, nan_grads)) == "grad b.weight holds NaN"
+    both = {**nan_grads, "a.weight": torch.tensor([float("inf"), 0.0])}
+    assert non_finite(_run(1.0, both)) == "grad a.weight holds inf (and 1 more tensors)"
+    assert non_finite(_run(float("inf"), both)) == "loss holds inf (and 2 more tensors)"
+    integer = {"steps": torch.tensor([3])}  # integers cannot be NaN: not floating, not judged
+    assert non_finite(_run(1.0, integer)) is None
 
 
 def test_checks_a_crash_kept_from_running_are_not_run_not_passed() -> None:
@@ -211,6 +229,51 @@ def test_a_loader_that_raises_is_a_crashed_load_row(fsdp2_mesh: DeviceMesh) -> N
     assert not rows(report, "parity") and not rows(report, "round trip")  # not run, not passed
     assert any("not run after the crashed load: forward, backward" in n for n in report.notes)
     assert rows(report, "stored")  # cast and shard ran: what they stored is still judged
+
+
+class SqrtOfZero(nn.Module):
+    """Finite logits and loss, a NaN gradient: d/dw sqrt(w - w) is 0 * inf; with ``nan``
+    false the gain is added plainly (finite everywhere)."""
+
+    def __init__(self, nan: bool) -> None:
+        super().__init__()
+        self.nan = nan
+        self.proj = nn.Linear(4, 4)
+        self.gain = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        offset = torch.sqrt(self.gain - self.gain) if self.nan else self.gain - self.gain
+        return self.proj(x) + offset
+
+
+@pytest.mark.fsdp2
+@pytest.mark.parametrize("nan", [True, False], ids=["nan-reference", "finite-reference"])
+def test_a_reference_that_computes_nan_is_a_crashed_reference_row_not_parity(
+    fsdp2_mesh: DeviceMesh, nan: bool
+) -> None:
+    def build() -> nn.Module:
+        return SqrtOfZero(nan)  # nan=False is the negative control: finite, it passes
+
+    def inputs(model: nn.Module) -> torch.Tensor:
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+        return x.to(model.proj.weight.dtype)
+
+    def run() -> ContractReport:
+        return assert_fp32_keep_contract(
+            build, inputs, mesh=fsdp2_mesh, dtype=BF16, loss_fn=lambda out: out.float().sum()
+        )
+
+    if not nan:
+        assert run().ok
+        return
+    report = refused_on_every_rank(run, ContractViolation, "crashed").report
+    (crashed,) = rows(report, "crashed")
+    assert crashed.subject == "reference"
+    assert crashed.observed.startswith(
+        "NonFiniteReference: grad gain holds NaN in torch.bfloat16 in the unsharded reference"
+    )
+    assert crashed.observed.endswith("(ranks [0, 1])")
+    assert not rows(report, "parity")  # nothing judged against a NaN: not run, not failed
 
 
 @pytest.mark.fsdp2

@@ -162,6 +162,7 @@ def test_direct_read_detection_needs_a_read_and_no_call() -> None:
 def test_root_owned_names_the_root_and_the_dtypes() -> None:
     model = stack_class(strict=["query_tokens"])()
     model.register_parameter("query_tokens", nn.Parameter(torch.randn(2, 8)))
+    model.register_parameter("scale", nn.Parameter(torch.randn(2, 8)))  # not kept: a mixed root
     error = refusal(model)
     text = str(error)
     assert (
@@ -173,13 +174,12 @@ def test_root_owned_names_the_root_and_the_dtypes() -> None:
 
 def test_tied_across_units_names_the_dtype() -> None:
     model = stack_class(strict=["wo"])()
-    model.layers[1].attn.weight = model.layers[0].attn.weight
+    model.register_parameter("tied", model.layers[0].attn.weight)  # the root cannot be grouped
     error = refusal(model)
     assert [p.reason for p in error.problems] == ["tied-across-units"]
     assert (
         "[tied-across-units] is tied across FSDP2 unit boundaries: one torch.bfloat16 tensor, "
-        "named ['layers.0.attn.weight', 'layers.1.attn.weight'], falls in units "
-        "['layers.0', 'layers.1']"
+        "named ['tied', 'layers.0.attn.weight'], falls in units ['<root>', 'layers.0']"
     ) in str(error)
 
 

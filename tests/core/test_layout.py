@@ -140,14 +140,25 @@ def problems(error: pytest.ExceptionInfo[KeepLayoutError]) -> dict[str, set[str]
     return found
 
 
-def test_root_owned_kept_parameter() -> None:
+def root_owning(*names: str) -> nn.Module:
+    """A stack whose root owns ``query_tokens`` (kept) and the other ``names`` (not kept)."""
     model = stack_class(strict=["query_tokens"])()
-    model.register_parameter("query_tokens", nn.Parameter(torch.randn(2, 8)))
+    for name in ("query_tokens", *names):
+        model.register_parameter(name, nn.Parameter(torch.randn(2, 8)))
+    return model
+
+
+def test_root_owned_kept_parameter() -> None:
+    # The root also owns a parameter that is not kept: no unit can hold both, refused.
     with pytest.raises(KeepLayoutError) as error:
-        layout_of(model)
+        layout_of(root_owning("scale"))
     assert problems(error) == {"root-owned": {"query_tokens"}}
     assert isinstance(error.value, ValueError)
     assert "query_tokens" in str(error.value) and "nothing was sharded" in str(error.value)
+    assert (
+        "which cannot be an FP32 unit of its own: it also directly owns parameters the plan "
+        "does not keep (scale (torch.bfloat16))"
+    ) in " ".join(str(error.value).split())
 
 
 def test_kept_parameter_sharing_a_module_with_low_precision_ones() -> None:
@@ -189,12 +200,14 @@ def test_kept_parameter_already_degraded() -> None:
 
 
 def test_tied_aliases_across_units() -> None:
+    # One alias owned by the root itself: no fully_shard call can group the root with a block's
+    # module (the root is the outermost unit), so the tie cannot be kept in one unit.
     model = Stack()
-    model.layers[1].attn.weight = model.layers[0].attn.weight
+    model.register_parameter("tied", model.layers[0].attn.weight)
     with pytest.raises(KeepLayoutError) as error:
         layout_of(model)
-    assert problems(error) == {"tied-across-units": {"layers.0.attn.weight"}}
-    assert "layers.1.attn.weight" in str(error.value)
+    assert problems(error) == {"tied-across-units": {"tied"}}
+    assert "'layers.0.attn.weight'" in str(error.value)
 
 
 def test_tied_aliases_inside_one_unit_are_fine() -> None:
@@ -229,6 +242,7 @@ def test_frozen_parameters_of_another_dtype_are_allowed() -> None:
 def test_every_problem_is_reported_at_once() -> None:
     model = stack_class(strict=["query_tokens", "wo"])()
     model.register_parameter("query_tokens", nn.Parameter(torch.randn(2, 8)))
+    model.register_parameter("scale", nn.Parameter(torch.randn(2, 8)))
     plan = plan_for(model)
     model.to(BF16)
     with pytest.raises(KeepLayoutError) as error:

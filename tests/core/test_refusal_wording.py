@@ -54,8 +54,10 @@ def refusal(model: nn.Module, **kwargs: object) -> KeepLayoutError:
 
 
 def root_owned() -> nn.Module:
+    # The root also owns a parameter that is not kept: it cannot be an FP32 unit (issue 23).
     model = stack_class(strict=["query_tokens"])()
     model.register_parameter("query_tokens", nn.Parameter(torch.randn(2, 8)))
+    model.register_parameter("scale", nn.Parameter(torch.ones(8)))
     return cast_and_plan(model)
 
 
@@ -67,8 +69,9 @@ def mixed_unit() -> nn.Module:
 
 
 def tied_across_units() -> nn.Module:
+    # An alias on the root: no one unit can hold the root and a block's module (issue 23).
     model = Stack().to(BF16)
-    model.layers[1].attn.weight = model.layers[0].attn.weight
+    model.register_parameter("tied", model.layers[0].attn.weight)
     return model
 
 
@@ -169,15 +172,18 @@ EMBEDDING_UNIT = ["LlamaDecoderLayer", "Embedding"]
 
 
 def test_tied_input_and_output_embeddings_across_units_say_tie_word_embeddings_false() -> None:
+    # Since issue 23 the embedding and its tied head get one unit where they can; an alias the
+    # root owns too leaves no one unit for all three names.
     model = llama(tie_word_embeddings=True)
     assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.register_parameter("logit_scale_weight", model.lm_head.weight)
     error = refusal(model, wrap=EMBEDDING_UNIT)
     assert [(p.fqn, p.reason) for p in error.problems] == [
-        ("model.embed_tokens.weight", "tied-across-units")
+        ("logit_scale_weight", "tied-across-units")
     ]
     text = str(error)
-    assert f"model.embed_tokens.weight  [tied-across-units] {TIED}: one torch.bfloat16" in text
-    assert "['model.embed_tokens.weight', 'lm_head.weight']" in text
+    assert f"logit_scale_weight  [tied-across-units] {TIED}: one torch.bfloat16" in text
+    assert "'model.embed_tokens.weight', 'lm_head.weight']" in text
     assert "['<root>', 'model.embed_tokens']" in text  # both units
     assert "set tie_word_embeddings=False in the model's config" in text
 
@@ -195,11 +201,9 @@ def test_other_tied_weights_across_units_get_the_general_fix_not_tie_word_embedd
     # would not help, so the hint must not say so.
     model = llama(tie_word_embeddings=False)
     layers = model.model.layers
-    layers[1].self_attn.q_proj.weight = layers[0].self_attn.q_proj.weight
+    model.register_parameter("q_alias", layers[0].self_attn.q_proj.weight)  # on the root
     error = refusal(model)
-    assert [(p.fqn, p.reason) for p in error.problems] == [
-        ("model.layers.0.self_attn.q_proj.weight", "tied-across-units")
-    ]
+    assert [(p.fqn, p.reason) for p in error.problems] == [("q_alias", "tied-across-units")]
     text = str(error)
     assert TIED in text and "torch.bfloat16" in text
     assert "Wrap a common ancestor of all its owners as one unit (wrap=...)" in text

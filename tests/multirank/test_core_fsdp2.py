@@ -225,6 +225,7 @@ def root_owned_model() -> tuple[nn.Module, fp32keep.KeepPlan | None]:
     torch.manual_seed(0)
     model = stack_class(strict=["query_tokens"])()
     model.register_parameter("query_tokens", nn.Parameter(torch.randn(2, 8)))
+    model.register_parameter("scale", nn.Parameter(torch.ones(8)))  # not kept: a mixed root
     plan = fp32keep.resolve_keep_plan(model, BF16, transformers_version=SEMANTICS)
     fp32keep.keep_aware_cast(model, BF16, plan=plan)
     return model, plan
@@ -244,7 +245,8 @@ def mixed_unit_model() -> tuple[nn.Module, fp32keep.KeepPlan | None]:
 def tied_across_units_model() -> tuple[nn.Module, fp32keep.KeepPlan | None]:
     torch.manual_seed(0)
     model = Stack().to(BF16)
-    model.layers[1].attn.weight = model.layers[0].attn.weight
+    # An alias on the root: no fully_shard call can group the root with a block's module.
+    model.register_parameter("tied", model.layers[0].attn.weight)
     return model, None
 
 
@@ -280,7 +282,7 @@ def mixed_dtype_unit_model() -> tuple[nn.Module, fp32keep.KeepPlan | None]:
         pytest.param(
             "tied-across-units",
             tied_across_units_model,
-            "layers.0.attn.weight",
+            "tied",
             "Wrap a common ancestor",
             id="tied-across-units",
         ),

@@ -14,8 +14,9 @@ from the zoo's tiny configs (no downloads), gloo on CPU, 2 ranks by default.
   ``Blip2QFormerMultiHeadAttention`` modules, from ``_no_split_modules``) are kept units of their
   own nested in it, each all-gathered when it runs, not with the qformer. Negative control: the
   qformer sharded as one unit gathers every attention of the subtree at once. ``query_tokens``,
-  a root-owned kept parameter FSDP2 cannot shard apart from the root (the zoo's layout error), is
-  frozen here, so it is replicated in FP32 and the rest of the model can be checked.
+  a root-owned kept parameter (trainable, it makes the root an FP32 unit:
+  tests/multirank/test_root_and_tied_units_fsdp2.py), is frozen here, so it is replicated in
+  FP32 and the root keeps the caller's policy.
 
 The PEFT, plan and cast facts that need no ranks are in tests/test_plan_wrappers.py.
 """

@@ -347,7 +347,8 @@ def test_one_contract_failure_at_three_ranks_is_one_traceback(
 # --- one layout refusal at 2 ranks, read as users read it (--tb=long, --showlocals) ---------
 
 #: A model ``apply_fsdp2`` refuses (a kept parameter owned by the root module, BLIP-2's
-#: ``query_tokens``), with the plan in the test's locals, as a user's test has it.
+#: ``query_tokens``, beside one the plan does not keep), with the plan in the test's locals, as a
+#: user's test has it.
 LAYOUT_REFUSAL = """
 import pytest
 import torch
@@ -374,6 +375,7 @@ class Toy(nn.Module):
     def __init__(self):
         super().__init__()
         self.query_tokens = nn.Parameter(torch.randn(2, 8))
+        self.scale = nn.Parameter(torch.ones(8))
         self.layers = nn.ModuleList(Block() for _ in range(3))
 
 

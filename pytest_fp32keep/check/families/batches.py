@@ -131,6 +131,8 @@ def family_batch(model: nn.Module, seed: int | torch.Generator) -> dict[str, tor
     elif type(model).__name__.endswith("ForTokenClassification"):
         classes = int(getattr(config, "num_labels", 2))
         batch["labels"] = torch.randint(0, classes, (BATCH_SIZE, SEQ_LEN), generator=generator)
+    elif kind == "seq2seq" and _decoder_codebooks(config):
+        batch.update(_code_stream_targets(config, generator))
     elif kind == "seq2seq":
         labels = text_ids(generator)
         start = int(getattr(config, "decoder_start_token_id", None) or 0)
@@ -141,6 +143,24 @@ def family_batch(model: nn.Module, seed: int | torch.Generator) -> dict[str, tor
         batch["labels"] = input_ids.clone()
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     return {key: value.to(device) for key, value in batch.items()}
+
+
+def _decoder_codebooks(config: Any) -> int | None:
+    """How many parallel code streams a seq2seq model's decoder predicts (MusicGen's decoder
+    over its codec's codebooks), or ``None`` for a text decoder."""
+    codebooks = getattr(getattr(config, "decoder", None), "num_codebooks", None)
+    return codebooks if isinstance(codebooks, int) and codebooks > 0 else None
+
+
+def _code_stream_targets(config: Any, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Labels ``(batch, seq, codebooks)`` of audio codes and the decoder's inputs, one row per
+    codebook of each example (``(batch * codebooks, seq)``), as MusicGen's forward takes them:
+    the text ids go to its text encoder."""
+    codebooks = int(_decoder_codebooks(config) or 1)
+    vocab = int(config.decoder.vocab_size)
+    labels = torch.randint(0, vocab, (BATCH_SIZE, SEQ_LEN, codebooks), generator=generator)
+    inputs = labels.permute(0, 2, 1).reshape(BATCH_SIZE * codebooks, SEQ_LEN)
+    return {"decoder_input_ids": inputs, "labels": labels}
 
 
 def _with_audio_codes(config: Any, text: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

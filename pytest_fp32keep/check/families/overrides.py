@@ -1,8 +1,11 @@
-"""Per-family config values that the automatic shrinking (:mod:`.shrink`) cannot derive.
+"""Per-family values that the automatic shrinking (:mod:`.shrink`) and discovery cannot derive.
 
-Each entry is ``family -> {field: value}``; a nested mapping under a sub-config's key (for
+:data:`OVERRIDES`: ``family -> {field: value}``; a nested mapping under a sub-config's key (for
 example ``"text_config"``) applies to that sub-config. Keep this table small: a field that
 several families share belongs in :data:`.shrink.TINY`. Every entry says why it is needed.
+
+:data:`DEFAULT_SUB_CONFIGS`: the sub-configs a config class cannot default itself.
+:data:`SAME_LAYOUT_AS`: families that are a copy of a curated zoo entry's model.
 """
 
 from __future__ import annotations
@@ -45,6 +48,18 @@ OVERRIDES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
             "post_conv_out_channels": 32,
             "vision_config": {"output_channels": 32},
         },
+        # The whole OCR model's SAM encoder: its neck width (output_channels, 256) and its
+        # downsampling convs' channels (a list, [512, 896], whose last entry is the vision
+        # encoder's default width) are not size fields elsewhere: 6 M parameters unshrunk, so
+        # only the text model was checked. Set together here.
+        **{
+            family: {
+                "vision_config": {
+                    "sam_config": {"output_channels": 32, "downsample_channels": [32, 32]}
+                }
+            }
+            for family in ("deepseek_ocr2", "unlimited_ocr")
+        },
         # The model code's default M-RoPE sections [8, 12, 12] split a rotary half of 64; with
         # head_dim 8 the whole head rotates and the sections must sum to 4.
         "glm4v_moe": {
@@ -58,5 +73,38 @@ OVERRIDES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
                 },
             }
         },
+    }
+)
+
+#: Config class name -> ``{field: model_type}``: sub-configs the class requires but does not
+#: default in some release, so that its "default config" (:func:`.shrink.default_config`, which
+#: both discovery and shrinking start from) is the same in every release. 5.10's
+#: ``MusicgenConfig()`` raises without its three sub-configs; 5.25 defaults them to T5, Encodec
+#: and its own decoder, the types written here.
+DEFAULT_SUB_CONFIGS: Mapping[str, Mapping[str, str]] = MappingProxyType(
+    {
+        "MusicgenConfig": {
+            "text_encoder": "t5",
+            "audio_encoder": "encodec",
+            "decoder": "musicgen_decoder",
+        },
+        "MusicgenMelodyConfig": {
+            "text_encoder": "t5",
+            "audio_encoder": "encodec",
+            "decoder": "musicgen_melody_decoder",
+        },
+    }
+)
+
+#: Family -> curated zoo entry (:data:`pytest_fp32keep.check.zoo.ZOO`) whose model it copies:
+#: Transformers generates the family's modeling file from that entry's classes (its
+#: ``modular_*.py``), so the same tensors sit in the same modules and the entry's written
+#: expectations (which dtypes ``apply_fsdp2`` must refuse, and why) are the family's too.
+#: A family whose class *is* a zoo entry's class needs no line here
+#: (:func:`.entries.curated_entry`).
+SAME_LAYOUT_AS: Mapping[str, str] = MappingProxyType(
+    {
+        # InstructBlipVideo: InstructBlip with video frames; root-owned query_tokens, T5's wo
+        "instructblipvideo": "instructblip",
     }
 )

@@ -22,6 +22,8 @@ from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
+from pytest_fp32keep.check.families.overrides import DEFAULT_SUB_CONFIGS
+
 #: The tiny vocabulary of every tower.
 VOCAB = 128
 #: Random text ids of a batch lie in ``[TEXT_LOW, TEXT_HIGH)``: above the text specials, below
@@ -384,9 +386,17 @@ def _split(total: int, parts: int) -> list[int]:
     return [base + (1 if index < extra else 0) for index in range(parts)]
 
 
+def default_config(config_class: Any) -> Any:
+    """``config_class``'s default config: ``config_class()``, given the sub-configs it requires
+    but does not default (:data:`.overrides.DEFAULT_SUB_CONFIGS`, by their model types)."""
+    subs = DEFAULT_SUB_CONFIGS.get(config_class.__name__, {})
+    return config_class(**{key: {"model_type": kind} for key, kind in subs.items()})
+
+
 def tiny_config(config_class: Any, overrides: Mapping[str, Any] | None = None) -> Any:
-    """The default config of ``config_class``, shrunk (:func:`shrink_dict`), eager attention."""
-    tree = config_class().to_dict()
+    """The default config of ``config_class`` (:func:`default_config`), shrunk
+    (:func:`shrink_dict`), eager attention."""
+    tree = default_config(config_class).to_dict()
     for key in ("transformers_version", "architectures", "_name_or_path"):
         tree.pop(key, None)
     before = copy.deepcopy(tree)
