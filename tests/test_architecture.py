@@ -150,6 +150,7 @@ FSDP2_PRIVATE_ATTRIBUTES = frozenset(
         "_get_fsdp_state",
         "_lazy_init",
         "_module_info",
+        "_mp_policy",
         "_post_forward",
         "_pre_forward",
         "fsdp_params",

@@ -19,6 +19,13 @@ process group, in ``FSDPState._fsdp_param_groups``; the old singular ``_fsdp_par
 a compatibility property there that raises when a state holds more than one. Earlier releases
 hold one group (or ``None``) in ``_fsdp_param_group``. This module reads the list where it
 exists and the single group otherwise, and reports every group.
+
+The call's policy: up to torch 2.14 every ``FSDPParamGroup`` holds the ``MixedPrecisionPolicy``
+the call was given (``mp_policy``). torch 2.15 dropped that attribute (a policy may now carry a
+per-parameter ``param_dtype_override_fn``, resolved into each ``FSDPParam.mp_policy``); the call's
+policy is ``FSDPState._mp_policy`` there, which ``FSDPState.init`` stores with
+``param_dtype_override_fn`` set to ``None``. This module reads the group's where it exists and the
+state's otherwise; a 2.15 override function is not part of the view.
 """
 
 from __future__ import annotations
@@ -48,12 +55,19 @@ __all__ = [
 
 VERIFIED_TORCH: Mapping[str, str] = MappingProxyType(
     {
-        "2.9": "2.9.1: the torch-2.9 nox session (docs/matrix.md, 2026-11-30) ran the parity "
-        "control's reads through unit_layout (one group per state, `_fsdp_param_group` a plain "
-        "attribute)",
+        "2.9": "2.9.1+cu128 (PyPI's CUDA build, run on CPU, 2026-12-03): "
+        "tests/contract/ default tier 97 passed, 2 skipped (test_fsdp_state.py's two-group "
+        "cases: no ShardPlacementResult); one group per state, `_fsdp_param_group` a plain "
+        "attribute, the group's `mp_policy`",
         "2.13": "2.13.0+cpu: tests/contract/test_fsdp_state.py, a unit with two param groups "
         "included",
-        "2.14": "2.14.1: tests/contract/test_fsdp_state.py in a side venv",
+        "2.14": "2.14.1: tests/contract/test_fsdp_state.py in a side venv; 2.14.1+cu130 (PyPI's "
+        "CUDA build, run on CPU, 2026-12-03): tests/contract/ default tier 99 passed, "
+        "test_fsdp_state.py's two-group units included",
+        "2.15": "2.15.0+cu132 (PyPI's CUDA build, run on CPU, 2026-12-03): "
+        "tests/contract/ default tier 99 passed, test_fsdp_state.py's two-group units "
+        "included; the call's policy read from `FSDPState._mp_policy` (2.15 has no "
+        "`FSDPParamGroup.mp_policy`)",
     }
 )
 """The torch releases (``major.minor``) the reads below were verified on, and how."""
@@ -64,7 +78,8 @@ PRIVATE_READS: tuple[str, ...] = (
     "FSDPState._fsdp_param_group",  # torch < 2.13: the one group, or None
     "FSDPState._modules",  # the modules of the call
     "FSDPParamGroup.fsdp_params",
-    "FSDPParamGroup.mp_policy",  # the MixedPrecisionPolicy the call was given
+    "FSDPParamGroup.mp_policy",  # torch <= 2.14: the MixedPrecisionPolicy the call was given
+    "FSDPState._mp_policy",  # torch >= 2.15 (no group policy): the call's, no override function
     "FSDPParamGroup.post_forward_mesh_info",  # None: not resharded after forward
     "FSDPParam._module_info",  # .module, .param_name, .shared_modules, .shared_param_names
 )
@@ -188,21 +203,36 @@ def _managed(fsdp_param: object) -> ManagedParameter:
     return ManagedParameter(owner, name, tuple(zip(shared_modules, shared_names, strict=True)))
 
 
-def _group_view(group: object) -> ParamGroupView:
+def _call_policy(state: object, group: object) -> MixedPrecisionPolicy:
+    """The ``MixedPrecisionPolicy`` the ``fully_shard`` call that made ``group`` was given."""
+    if hasattr(group, "mp_policy"):  # torch <= 2.14: every group holds the call's policy
+        owner, attribute = "FSDPParamGroup", "mp_policy"
+        policy = group.mp_policy
+    elif hasattr(state, "_mp_policy"):  # torch >= 2.15: the groups hold none, the state does
+        owner, attribute = "FSDPState", "_mp_policy"
+        policy = state._mp_policy
+    else:
+        raise _changed(
+            "FSDPParamGroup", "mp_policy (torch <= 2.14) / FSDPState._mp_policy (torch >= 2.15)"
+        )
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise _changed(owner, attribute, policy)
+    return policy
+
+
+def _group_view(state: object, group: object) -> ParamGroupView:
     fsdp_params = _sequence(
         _read(group, "fsdp_params", "FSDPParamGroup"), "FSDPParamGroup", "fsdp_params"
     )
     post_forward = _read(group, "post_forward_mesh_info", "FSDPParamGroup")
-    policy = _read(group, "mp_policy", "FSDPParamGroup")
-    if not isinstance(policy, MixedPrecisionPolicy):
-        raise _changed("FSDPParamGroup", "mp_policy", policy)
+    policy = _call_policy(state, group)
     return ParamGroupView(tuple(_managed(p) for p in fsdp_params), post_forward is not None, policy)
 
 
 def unit_view(state: object) -> UnitView:
     """What one ``fully_shard`` call's state (``fully_shard.state(module)``) holds."""
     modules = _sequence(_read(state, "_modules", "FSDPState"), "FSDPState", "_modules")
-    return UnitView(tuple(modules), tuple(_group_view(g) for g in _param_groups(state)))
+    return UnitView(tuple(modules), tuple(_group_view(state, g) for g in _param_groups(state)))
 
 
 def _state(module: nn.Module | FSDPModule) -> object:

@@ -126,6 +126,44 @@ def test_the_single_group_shape_of_earlier_torch_is_read() -> None:
     assert empty.reshards_after_forward
 
 
+def test_the_policy_of_torch_2_15_is_read_from_the_state() -> None:
+    """torch 2.15 dropped ``FSDPParamGroup.mp_policy``: the call's policy is the state's
+    ``_mp_policy``; up to 2.14 the group's wins (the two are the same object there)."""
+    policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
+    group = _group(mp_policy=LEFT_OUT)
+    view = unit_view(SimpleNamespace(_modules=(), _fsdp_param_groups=[group], _mp_policy=policy))
+    assert view.policy is policy
+    assert [g.policy for g in view.groups] == [policy]
+    older = _group(mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
+    earlier = unit_view(
+        SimpleNamespace(_modules=(), _fsdp_param_group=older, _mp_policy=MixedPrecisionPolicy())
+    )
+    assert earlier.policy is older.mp_policy
+
+
+@pytest.mark.parametrize(
+    ("state", "attribute"),
+    [
+        (
+            SimpleNamespace(_modules=(), _fsdp_param_groups=[_group(mp_policy=LEFT_OUT)]),
+            "FSDPParamGroup.mp_policy (torch <= 2.14) / FSDPState._mp_policy (torch >= 2.15)",
+        ),
+        (
+            SimpleNamespace(
+                _modules=(), _fsdp_param_groups=[_group(mp_policy=LEFT_OUT)], _mp_policy="bf16"
+            ),
+            "FSDPState._mp_policy",
+        ),
+    ],
+    ids=["no-policy-anywhere", "state-policy-not-a-policy"],
+)
+def test_a_policy_in_neither_place_fails_naming_both(state: object, attribute: str) -> None:
+    with pytest.raises(FsdpStateError) as error:
+        unit_view(state)
+    assert attribute in str(error.value)
+    assert f"torch {torch.__version__}" in str(error.value)
+
+
 # --- in 2 ranks ---------------------------------------------------------------------------------
 
 
