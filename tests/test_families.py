@@ -589,3 +589,25 @@ def test_linear_attention_families_hold_the_read_conv_and_refuse_truly_mixed_mod
     text = _refusal_text("glm5_next")
     assert text is not None and "read-not-called" not in text and "self_attn.conv1d" not in text
     assert "attn_hc.base" in text and "not keep: fn (torch.bfloat16)" in text
+
+
+def test_kolibri_indexer_layers_are_derived_from_the_cut_layers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """5.25's Kolibri-1.1 names layers by index (``index_layers``, ``kv_source_layers``) and
+    derives them from ``layer_types`` when unset: its override unsets them, so the tiny model
+    has an indexer among its two layers, and a MoE layer whose router holds the kept
+    ``e_score_correction_bias``. Negative control: without the override the 50-layer defaults
+    fail its validator."""
+    _family_or_skip("kolibri1_1")
+    model: Any = entries.build_family_model("kolibri1_1")
+    config = model.config
+    indexed = [i for i, kind in enumerate(config.layer_types) if kind == "indexed_attention"]
+    assert indexed and config.index_layers == indexed[:1]
+    plan = resolve_keep_plan(model, torch.bfloat16)
+    assert sorted(plan.names) == ["model.layers.1.mlp.gate.e_score_correction_bias"]
+    monkeypatch.setattr(entries, "OVERRIDES", MappingProxyType({}))
+    # huggingface_hub's StrictDataclassClassValidationError, around the validator's ValueError
+    with pytest.raises(Exception, match="`index_layers` must be increasing") as raised:
+        entries.build_family_model("kolibri1_1")
+    assert isinstance(raised.value.__cause__, ValueError)
