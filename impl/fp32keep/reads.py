@@ -145,20 +145,35 @@ def find_direct_read(model: nn.Module, module_fqn: str) -> DirectRead | None:
 _CALLED = ("", "")  # _handed_use: a function the module is handed to calls it
 
 
+def _runtime_methods(source: str) -> Iterator[ast.FunctionDef | ast.AsyncFunctionDef]:
+    """The methods of the class whose source is ``source`` that may run after sharding: all but
+    construction and weight initialisation (``__init__``, ``_init_weights``, ...), where handing
+    a module to a function (``tie(self.lm_head, self.embed_tokens)``) reads nothing FSDP2 gathers.
+    """
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return
+    for klass in tree.body:
+        if isinstance(klass, ast.ClassDef):
+            for method in klass.body:
+                if isinstance(method, ast.FunctionDef | ast.AsyncFunctionDef) and not (
+                    method.name == "__init__" or method.name.startswith("_init")
+                ):
+                    yield method
+
+
 def _handoffs(ancestor: nn.Module, name: str) -> Iterator[tuple[Any, int | str]]:
-    """Each ``FUNC(..., x.NAME, ...)`` in the source of ``ancestor``'s classes where ``FUNC`` is
-    a plain name of the class's own module: the function (as its module holds it) and the
-    position (``int``) or keyword (``str``) the module is passed at."""
+    """Each ``FUNC(..., x.NAME, ...)`` in the runtime methods of ``ancestor``'s classes
+    (:func:`_runtime_methods`) where ``FUNC`` is a plain name of the class's own module: the
+    function (as its module holds it) and the position (``int``) or keyword (``str``) the module
+    is passed at."""
     for cls in model_classes(type(ancestor)):
         source = source_of(cls)
         if name not in source:
             continue
-        try:
-            tree = ast.parse(source)
-        except SyntaxError:
-            continue
         namespace = vars(sys.modules[cls.__module__]) if cls.__module__ in sys.modules else {}
-        for node in ast.walk(tree):
+        for node in (node for method in _runtime_methods(source) for node in ast.walk(method)):
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
                 continue
             function = namespace.get(node.func.id)

@@ -46,6 +46,12 @@ def metadata_forward(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
     return x.to(conv.weight.dtype)
 
 
+def init_conv(conv: nn.Conv1d) -> None:
+    """Reads ``conv.weight`` at construction only (as ``tie(head, embedding)`` does)."""
+    with torch.no_grad():
+        conv.weight.mul_(0.5)
+
+
 def star_forward(*modules_and_input: Any) -> torch.Tensor:
     """Receives the module in ``*args``: no parameter name to follow."""
     conv, x = modules_and_input
@@ -80,6 +86,15 @@ class CallingAttention(_HandingAttention):
 class MetadataAttention(_HandingAttention):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.o_proj(metadata_forward(self.conv, self.q_proj(x)).to(x.dtype))
+
+
+class InitAttention(_HandingAttention):
+    def __init__(self, width: int = 8, kernel: int = 3) -> None:
+        super().__init__(width, kernel)
+        init_conv(self.conv)  # construction: nothing FSDP2 gathers is read here
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(self.q_proj(x))
 
 
 class StarAttention(_HandingAttention):
@@ -140,8 +155,9 @@ def test_the_read_module_goes_with_its_reader_and_the_model_runs() -> None:
 
 def test_a_hand_off_that_calls_or_reads_metadata_or_goes_to_star_args_is_no_read() -> None:
     # Negative controls: each the hand-off of the test above, with nothing for the scan to
-    # follow to a read; the module stays a unit of its own (called, or not known to be read).
-    for attention in (CallingAttention, MetadataAttention, StarAttention):
+    # follow to a read (or a read only at construction); the module stays a unit of its own
+    # (called, or not known to be read).
+    for attention in (CallingAttention, MetadataAttention, StarAttention, InitAttention):
         model = stack(attention)
         assert find_direct_read(model, "layers.0.self_attn.conv") is None, attention.__name__
         model(torch.arange(6).reshape(1, 6))  # each runs unsharded
