@@ -690,10 +690,11 @@ def _refusal_text(family: str) -> str | None:
 
 def test_linear_attention_families_hold_the_read_conv_and_refuse_truly_mixed_modules() -> None:
     """5.24: Bailing-Hybrid's kept ``conv1d`` (read by its attention, never called) goes with
-    its reader's unit; Kimi-Linear's forget gate owns a kept ``dt_bias`` beside an ``A_log``
-    its keep list leaves out (bf16), and Glm5-Next's hyper-connections a kept ``base`` and
-    ``scale`` beside ``fn``: modules of mixed dtype FSDP2 cannot shard, refused, naming the
-    parameters and their dtypes."""
+    its reader's unit (5.25 hands it to ``causal_conv1d_forward``, which reads its weight:
+    ``tests/core/test_reads_handoff.py``); Kimi-Linear's forget gate owns a kept ``dt_bias``
+    beside an ``A_log`` its keep list leaves out (bf16), and Glm5-Next's hyper-connections a
+    kept ``base`` and ``scale`` beside ``fn``: modules of mixed dtype FSDP2 cannot shard,
+    refused, naming the parameters and their dtypes."""
     _family_or_skip("bailing_hybrid")
     assert _refusal_text("bailing_hybrid") is None
     _family_or_skip("kimi_linear")
@@ -726,3 +727,25 @@ def test_code_stream_decoder_gets_one_row_per_codebook() -> None:
     plain = {**batch, "decoder_input_ids": batch["input_ids"], "labels": batch["input_ids"]}
     with pytest.raises(RuntimeError, match="is invalid for input of size"):
         model(**plain)
+
+
+def test_kolibri_indexer_layers_are_derived_from_the_cut_layers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """5.25's Kolibri-1.1 names layers by index (``index_layers``, ``kv_source_layers``) and
+    derives them from ``layer_types`` when unset: its override unsets them, so the tiny model
+    has an indexer among its two layers, and a MoE layer whose router holds the kept
+    ``e_score_correction_bias``. Negative control: without the override the 50-layer defaults
+    fail its validator."""
+    _family_or_skip("kolibri1_1")
+    model: Any = entries.build_family_model("kolibri1_1")
+    config = model.config
+    indexed = [i for i, kind in enumerate(config.layer_types) if kind == "indexed_attention"]
+    assert indexed and config.index_layers == indexed[:1]
+    plan = resolve_keep_plan(model, torch.bfloat16)
+    assert sorted(plan.names) == ["model.layers.1.mlp.gate.e_score_correction_bias"]
+    monkeypatch.setattr(entries, "OVERRIDES", MappingProxyType({}))
+    # huggingface_hub's StrictDataclassClassValidationError, around the validator's ValueError
+    with pytest.raises(Exception, match="`index_layers` must be increasing") as raised:
+        entries.build_family_model("kolibri1_1")
+    assert isinstance(raised.value.__cause__, ValueError)

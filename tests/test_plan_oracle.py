@@ -102,8 +102,18 @@ class OracleResult:
 
 
 def _load(model_cls: Any, path: Path, dtype: torch.dtype) -> tuple[Any, dict[str, Any]]:
+    """``from_pretrained(path, dtype=D)`` without hub kernels (``use_kernels=False``).
+
+    Every supported release takes ``use_kernels`` (4.56 through 5.24 default it to False). 5.25
+    defaults it to True unless ``USE_HUB_KERNELS`` says no, and then raises ``ValueError: Kernels
+    are not available`` after loading wherever ``kernels`` 0.19.x is not installed (5.25 requires
+    it, and the index this project installs from has nothing newer than 0.17.2); with it, the
+    model's forwards are swapped for hub kernels, which reach the network. Neither changes a
+    dtype: loading, and the dtype plan it applies, finish before ``set_use_kernels``
+    (``PreTrainedModel.from_pretrained``), which only replaces forward implementations.
+    """
     loaded, info = model_cls.from_pretrained(
-        path, output_loading_info=True, **_from_pretrained_dtype_kwargs(dtype)
+        path, output_loading_info=True, use_kernels=False, **_from_pretrained_dtype_kwargs(dtype)
     )
     return loaded, info
 

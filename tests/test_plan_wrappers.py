@@ -308,6 +308,7 @@ def test_the_refusals_fix_for_adapters_is_one_that_works() -> None:
         ("5.0.0", T5_WO, T5_WO),  # no dtype gate in 5.0.0
         ("5.10.4", T5_WO, 0),
         ("5.24.0", T5_WO, 0),
+        ("5.25.0", T5_WO, 0),  # T5's regular ["wo"] and the fp16-only gate, as in 5.24
     ],
 )
 def test_what_if_on_t5_matches_each_release(version: str, fp16: int, bf16: int) -> None:

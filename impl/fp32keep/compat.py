@@ -1,8 +1,9 @@
 """What differs between Transformers versions, in one place.
 
 Every fact here mirrors ``shared/docs/transformers-keep-semantics.md`` (read from the released
-wheels of 4.56.2 … 5.24.0). A reader checking the resolver against a Transformers release only
-has to diff this file against that table:
+wheels of 4.56.2 … 5.24.0; releases read since, 5.25.0 so far, are in
+``docs/transformers-versions.md``). A reader checking the resolver against a Transformers release
+only has to diff this file against that table:
 
 * group A (4.56.x – 4.57.x): the regular list applies under fp16, the strict list under fp16 or
   bf16; an entry matches whole dot-separated segments (``((^|\\.)ENTRY($|\\.))``, the entry not
@@ -11,8 +12,9 @@ has to diff this file against that table:
   anywhere in the name; only ``list`` declarations count (a tuple or set is silently ignored);
   loading reads ``model.dtype_plan``, frozen in ``PreTrainedModel.__init__``, so entries a
   subclass appends later (InstructBlip appends its language model's ``wo``) are not applied.
-* group C (5.1.0 and later): the dtype gates of group A with the glob match of group B; tuples and
-  sets count; ``post_init`` folds nested models' lists into the top model's runtime attributes.
+* group C (5.1.0 and later; checked up to 5.25.0): the dtype gates of group A with the glob
+  match of group B; tuples and sets count; ``post_init`` folds nested models' lists into the top
+  model's runtime attributes.
 """
 
 from __future__ import annotations

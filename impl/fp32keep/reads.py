@@ -19,21 +19,30 @@ defined on a base class), not of its own class only:
 * :func:`find_direct_read`: an attribute access ``NAME.TENSOR`` (``embed_positions.weight``),
   other than a metadata read (``.dtype``, ``.shape``, ...), or for a ``ParameterList`` or
   ``ParameterDict`` (no forward: always read) any use of ``.NAME`` (``self.scales[0]``), in an
-  ancestor's source, while no ancestor's source calls ``NAME(...)``;
+  ancestor's source, while no ancestor's source calls ``NAME(...)``; or the module handed to a
+  module-level function (``FUNC(self.NAME, ...)``, Bailing-Hybrid 5.25's
+  ``causal_conv1d_forward(self.conv1d, ...)``) whose own source reads ``PARAM.TENSOR`` of the
+  parameter it arrives in and does not call it;
 * :func:`called_methods`: ``NAME.METHOD(`` in an ancestor's source, for a ``METHOD`` the
   module's own model classes define, and only where that method's source (again through the
   MRO) reaches the module's parameters: a pure helper (Kyutai's ``get_encoded_length``, which
   computes a length from convolution strides) would otherwise make every call an all-gather of
   the whole unit (:mod:`fp32keep.source_use`).
 
-A read the source does not spell out (``getattr`` with a computed name, a free function, a class
-whose source is unavailable) is not found; such a module is treated as called, as before.
+A read the source does not spell out (``getattr`` with a computed name, a function reached
+through an attribute or handed the module on to another function, a class whose source is
+unavailable) is not found; such a module is treated as called, as before.
 """
 
 from __future__ import annotations
 
+import ast
+import inspect
 import re
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -53,8 +62,10 @@ class DirectRead:
         reader: the class of the ancestor that reads it.
         expression: what is read, e.g. ``embed_positions.weight``.
         reader_fqn: the module whose class is ``reader`` (``""`` for the model itself).
-        evidence: how the read was found: ``"source"`` (this module's scan) or where it was
-            observed (``"observed in VoxtralEncoder.forward"``, :mod:`fp32keep.observe`).
+        evidence: how the read was found: ``"source"`` (this module's scan of the ancestor's
+            classes), the function it was read in (``"read in causal_conv1d_forward(), which
+            it is handed to"``, also from the source) or where it was observed (``"observed in
+            VoxtralEncoder.forward"``, :mod:`fp32keep.observe`).
     """
 
     module_fqn: str
@@ -114,11 +125,140 @@ def find_direct_read(model: nn.Module, module_fqn: str) -> DirectRead | None:
     for ancestor_fqn, ancestor, source in ancestors:
         if call.search(source):
             return None
+        handed = _handed_use(ancestor, name, tensors)
+        if handed is _CALLED:
+            return None
         match = read.search(source)
-        if match is not None and found is None:
+        if found is not None:
+            continue
+        reader = type(ancestor).__name__
+        if match is not None:
             expression = name + re.sub(r"\s+", "", match.group(1))
-            found = DirectRead(module_fqn, type(ancestor).__name__, expression, ancestor_fqn)
+            found = DirectRead(module_fqn, reader, expression, ancestor_fqn)
+        elif handed is not None:
+            tensor, function = handed
+            evidence = f"read in {function}(), which it is handed to"
+            found = DirectRead(module_fqn, reader, f"{name}.{tensor}", ancestor_fqn, evidence)
     return found
+
+
+_CALLED = ("", "")  # _handed_use: a function the module is handed to calls it
+
+
+def _runtime_methods(source: str) -> Iterator[ast.FunctionDef | ast.AsyncFunctionDef]:
+    """The methods of the class whose source is ``source`` that may run after sharding: all but
+    construction and weight initialisation (``__init__``, ``_init_weights``, ...), where handing
+    a module to a function (``tie(self.lm_head, self.embed_tokens)``) reads nothing FSDP2 gathers.
+    """
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return
+    for klass in tree.body:
+        if isinstance(klass, ast.ClassDef):
+            for method in klass.body:
+                if isinstance(method, ast.FunctionDef | ast.AsyncFunctionDef) and not (
+                    method.name == "__init__" or method.name.startswith("_init")
+                ):
+                    yield method
+
+
+def _handoffs(ancestor: nn.Module, name: str) -> Iterator[tuple[Any, int | str]]:
+    """Each ``FUNC(..., x.NAME, ...)`` in the runtime methods of ``ancestor``'s classes
+    (:func:`_runtime_methods`) where ``FUNC`` is a plain name of the class's own module: the
+    function (as its module holds it) and the position (``int``) or keyword (``str``) the module
+    is passed at."""
+    for cls in model_classes(type(ancestor)):
+        source = source_of(cls)
+        if name not in source:
+            continue
+        namespace = vars(sys.modules[cls.__module__]) if cls.__module__ in sys.modules else {}
+        for node in (node for method in _runtime_methods(source) for node in ast.walk(method)):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+                continue
+            function = namespace.get(node.func.id)
+            if function is None:
+                continue
+            for index, argument in enumerate(node.args):
+                if _is_attribute(argument, name):
+                    yield function, index
+            for keyword in node.keywords:
+                if keyword.arg is not None and _is_attribute(keyword.value, name):
+                    yield function, keyword.arg
+
+
+def _is_attribute(node: ast.expr, name: str) -> bool:
+    """Whether ``node`` is ``x.NAME`` (``self.conv1d``)."""
+    return (
+        isinstance(node, ast.Attribute) and node.attr == name and isinstance(node.value, ast.Name)
+    )
+
+
+def _function_def(function: Any) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """The syntax tree of a plain function's definition (decorators unwrapped), else ``None``."""
+    function = inspect.unwrap(function)
+    if not inspect.isfunction(function):
+        return None  # a class, a builtin, a module: not a body this scan can read
+    source = source_of(function)
+    try:
+        tree = ast.parse(source) if source else None
+    except SyntaxError:
+        return None
+    first = tree.body[0] if tree is not None and tree.body else None
+    return first if isinstance(first, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+
+
+def _parameter(definition: ast.FunctionDef | ast.AsyncFunctionDef, at: int | str) -> str | None:
+    """The name of the parameter an argument passed at ``at`` arrives in (``None``: ``*args``,
+    ``**kwargs`` or no such parameter)."""
+    arguments = definition.args
+    if isinstance(at, int):
+        positional = [*arguments.posonlyargs, *arguments.args]
+        return positional[at].arg if at < len(positional) else None
+    named = {a.arg for a in (*arguments.args, *arguments.kwonlyargs)}
+    return at if at in named else None
+
+
+def _handed_use(ancestor: nn.Module, name: str, tensors: list[str]) -> tuple[str, str] | None:
+    """What the module-level functions ``ancestor`` hands its child ``name`` to do with it:
+    :data:`_CALLED` when one calls it (``PARAM(...)``, ``PARAM.forward(...)``), else
+    ``(tensor, function name)`` for the first one reading ``PARAM.TENSOR`` other than for
+    metadata, else ``None``."""
+    read: tuple[str, str] | None = None
+    for function, at in _handoffs(ancestor, name):
+        definition = _function_def(function)
+        parameter = _parameter(definition, at) if definition is not None else None
+        if definition is None or parameter is None:
+            continue
+        parents = {
+            child: node for node in ast.walk(definition) for child in ast.iter_child_nodes(node)
+        }
+        for node in ast.walk(definition):
+            if isinstance(node, ast.Call) and (
+                (isinstance(node.func, ast.Name) and node.func.id == parameter)
+                or (
+                    isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "forward"
+                    and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id == parameter
+                )
+            ):
+                return _CALLED
+            if (
+                read is None
+                and isinstance(node, ast.Attribute)
+                and node.attr in tensors
+                and isinstance(node.value, ast.Name)
+                and node.value.id == parameter
+                and not _metadata_of(parents.get(node))
+            ):
+                read = (node.attr, definition.name)
+    return read
+
+
+def _metadata_of(parent: ast.AST | None) -> bool:
+    """Whether the attribute whose parent node is ``parent`` is only read for its metadata."""
+    return isinstance(parent, ast.Attribute) and parent.attr in METADATA_ATTRIBUTES
 
 
 def called_methods(model: nn.Module, module_fqn: str) -> tuple[str, ...]:

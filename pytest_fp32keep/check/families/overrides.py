@@ -34,6 +34,22 @@ OVERRIDES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
                 }
             }
         },
+        # 5.25: its indexer layers (index_layers, [4, 14, 19, 29] by default) and the layer
+        # whose K/V each layer reads (kv_source_layers) are layer indices its __post_init__
+        # derives from layer_types when unset; the defaults name layers the cut drops (its
+        # validator: "`index_layers` must be increasing indexed-attention layers"). Unset, they
+        # are derived from the cut layer_types ([sliding, indexed]: indexer 1, each layer its
+        # own K/V). Its validator also wants a head_dim that is a multiple of 16 (NVFP4 rounding
+        # of keys and values) and at most heads / kv heads (4 / 2) indexer heads (12 by default).
+        # Its first two layers are dense (mlp_only_layers [0, 1]): only the first stays so, so
+        # that the second has the MoE router whose e_score_correction_bias is its keep list.
+        "kolibri1_1": {
+            "index_layers": None,
+            "kv_source_layers": None,
+            "head_dim": 16,
+            "index_num_heads": 2,
+            "mlp_only_layers": [0],
+        },
         # Its image and audio tokenizers' codes are vocabulary ranges: image codes start at
         # image_token_offset and end where audio codes start (audio_token_offset), and those
         # end inside the vocabulary (its validator). With 16-entry codebooks (shrink.TINY) in

@@ -234,6 +234,8 @@ _FP16_BF16 = (torch.float16, torch.bfloat16)
 # 5.0.0 wheel is checked here, so its rows name no tensors (kept=None), only the refusal. Group C
 # (5.1+): the dtype gates of A, the substring match of B, children's lists merged by post_init.
 # Ranges a release between two checked ones may differ in (5.11-5.23) name no tensors either.
+# The open ranges (">=5.1", ">=5.24") were checked against the 5.25.0 wheel: every declaration of
+# these classes and the gates are 5.24.0's (docs/transformers-versions.md).
 _A, _B, _C = ">=4.56,<4.58", "==5.0.0", ">=5.1"
 _ANY = _FP16_BF16  # group B's "no dtype gate", over the low-precision dtypes the zoo checks
 _LAYER = r"(en|de)coder\.block\.\d+\.layer\.\d+\.DenseReluDense\.wo\.weight"  # T5's "wo"
