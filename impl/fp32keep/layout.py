@@ -169,10 +169,29 @@ def _kept_grouping(group_kept: KeptGrouping) -> Literal["module", "block", "mode
     )
 
 
-def _innermost(unit_of_module: dict[str, int], module_fqn: str) -> int:
+def _first_names(model: nn.Module) -> dict[str, str]:
+    """Every name of every module -> the first name ``named_modules`` gives its object.
+
+    FSDP2 places a module by the object, not the name: a module reached under two names
+    (Transformers 4.x's T5 passes its ``shared`` embedding to both stacks as ``embed_tokens``) is
+    managed by the unit that holds it under either, and ``fully_shard`` of an ancestor on the
+    other path skips it (it is already an ``FSDPModule``).
+    """
+    first: dict[int, str] = {}
+    return {
+        fqn: first.setdefault(id(module), fqn)
+        for fqn, module in model.named_modules(remove_duplicate=False)
+    }
+
+
+def _innermost(unit_of_module: dict[str, int], first_names: dict[str, str], module_fqn: str) -> int:
+    """The index of the innermost unit around ``module_fqn``, found on the path of the first name
+    of its object (see :func:`_first_names`)."""
+    module_fqn = first_names.get(module_fqn, module_fqn)
     parts = module_fqn.split(".") if module_fqn else []
     for cut in range(len(parts), -1, -1):
-        found = unit_of_module.get(".".join(parts[:cut]))
+        prefix = ".".join(parts[:cut])
+        found = unit_of_module.get(first_names.get(prefix, prefix))
         if found is not None:
             return found
     raise AssertionError("the root unit covers every module")  # pragma: no cover
@@ -251,6 +270,7 @@ def _draft(
     grouping = _kept_grouping(group_kept)
     below = float_param_names(model)
     modules = dict(model.named_modules(remove_duplicate=False))
+    first_names = _first_names(model)
     is_target = _wrap_predicate(model, wrap)
     find_read = observed.direct_read if observed is not None else find_direct_read
     selection = kept_modules(model, plan, below, is_target, find_read)
@@ -290,7 +310,7 @@ def _draft(
         if grouping == "block":
             groups: dict[int, list[str]] = defaultdict(list)
             for fqn in top:
-                groups[_innermost(unit_of_module, fqn)].append(fqn)
+                groups[_innermost(unit_of_module, first_names, fqn)].append(fqn)
             for fqns in groups.values():
                 add("kept", fqns)
         elif grouping == "model" and top and top != [""]:
@@ -315,7 +335,7 @@ def _draft(
         model,
         plan,
         {fqn: (unit.kind, unit.module_fqns) for unit in units for fqn in unit.module_fqns},
-        lambda module_fqn: _innermost(unit_of_module, module_fqn),
+        lambda module_fqn: _innermost(unit_of_module, first_names, module_fqn),
         below,
     )
     if ties:
@@ -325,7 +345,7 @@ def _draft(
         model,
         plan,
         units,
-        lambda module_fqn: _innermost(unit_of_module, module_fqn),
+        lambda module_fqn: _innermost(unit_of_module, first_names, module_fqn),
         replicate_frozen=replicate_frozen,
         read_directly=selection.read_directly,
         reader_obstacles=selection.reader_obstacles,

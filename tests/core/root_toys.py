@@ -110,11 +110,14 @@ class ReadingRootStack(nn.Module):
 
 
 class TiedKeptStack(nn.Module):
-    """A kept embedding and a kept final norm + head, the head tied to the embedding; the blocks
-    in between are not kept (hy_v4's tied word embeddings, both declared FP32)."""
+    """A kept embedding and a head tied to it, so kept too; the blocks and the final norm in
+    between are not kept (hy_v4's tied word embeddings: its strict ``["lm_head"]`` keeps the
+    embedding through the tie). The declaration names ``embed`` alone: the tied head's weight
+    is the embedding's, so no parameter is named under ``head``, and Transformers 4.x refuses
+    an entry that is no segment of a parameter name."""
 
     _no_split_modules: ClassVar[list[str]] = ["Block"]
-    _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["embed", "head"]
+    _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["embed"]
 
     def __init__(self, width: int = 8, vocab: int = 16, depth: int = 2) -> None:
         super().__init__()

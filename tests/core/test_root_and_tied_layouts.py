@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from fp32keep import KeepLayoutError, KeepPlan, keep_aware_cast, plan_layout, resolve_keep_plan
+from fp32keep import layout as layout_module
 from fp32keep.layout import Layout
 from tests.core.root_toys import (
     MixedRootStack,
@@ -210,3 +211,33 @@ def test_tied_lm_alone_stays_one_unit() -> None:
 
     layout = layout_of(LMStack())
     assert units(layout) == {("layers.0",): "standard", ("layers.1",): "standard", ("",): "root"}
+
+
+def _with_embedding_reached_twice() -> QueryStack:
+    """Transformers 4.x's T5 hands its ``shared`` embedding to its stacks as ``embed_tokens``: one
+    object under two names. Here the input embedding the root calls (its own unit, tied to the
+    head) is also a child of the language model's first block."""
+    model = QueryStack()
+    model.language_model.layers[0].embed_tokens = model.language_model.embed_tokens
+    return model
+
+
+def test_a_module_reached_under_two_names_is_held_by_the_unit_of_its_object() -> None:
+    layout = layout_of(_with_embedding_reached_twice())
+    assert units(layout)[TIED_LM] == "standard"
+    group = layout.owner["language_model.embed_tokens.weight"]
+    assert layout.owner["language_model.layers.0.embed_tokens.weight"] == group
+
+
+def test_negative_control_placed_by_name_the_second_name_falls_in_the_blocks_unit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each name its own path (the layout before it placed modules by object): the alias under
+    # the block's unit reads as a tie across units.
+    monkeypatch.setattr(
+        layout_module,
+        "_first_names",
+        lambda model: {fqn: fqn for fqn, _ in model.named_modules(remove_duplicate=False)},
+    )
+    error = refusal(_with_embedding_reached_twice())
+    assert {p.reason for p in error.problems} == {"tied-across-units"}
