@@ -606,8 +606,8 @@ def test_unset_mlp_layer_types_get_a_dense_then_sparse_pattern() -> None:
 
     model: Any = entries.build_family_model("deepseek_ocr2")
     assert any(name.endswith("mlp.gate.weight") for name, _ in model.named_parameters())
-    config = model.config
-    config.mlp_layer_types = None  # negative control: the default, unset
+    config = model.config  # the whole multimodal model: the list is its text config's
+    config.get_text_config().mlp_layer_types = None  # negative control: the default, unset
     with pytest.raises(TypeError, match="not subscriptable"):
         build_seeded(type(model), config)
 
