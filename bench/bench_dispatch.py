@@ -489,6 +489,13 @@ def _report(result: BenchResult, arms: dict[str, ArmResult]) -> None:
             f"ranks - floor) is {protocol * 1e3:.1f} ms; the plugin adds {beyond * 1e3:.1f} ms "
             "beyond it (plugin - pytest in the ranks): dispatch, the parent's wait loop, report "
             "streaming and merging, seeding and the per-test hygiene checks."
+            + (
+                " (Negative because the floor times each body between two barriers, which the "
+                "pytest arm does not run: the stricter reading of the plugin's own cost is then "
+                "plugin - pytest in the ranks.)"
+                if protocol < 0
+                else ""
+            )
         )
     result.notes.append(
         "The floor runs the body with no test runner in ranks that stay up: per test, nothing "
