@@ -749,3 +749,17 @@ def test_kolibri_indexer_layers_are_derived_from_the_cut_layers(
     with pytest.raises(Exception, match="`index_layers` must be increasing") as raised:
         entries.build_family_model("kolibri1_1")
     assert isinstance(raised.value.__cause__, ValueError)
+
+
+def test_query_tokens_are_seeded_not_transformers_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint never holds constant query tokens; Transformers initialises them to zeros,
+    which InstructBlip's fp16 Q-Former layernorm (eps 1e-12 is 0 in fp16) turns into NaN
+    gradients of the unsharded model itself. The families builder seeds them, as the zoo does.
+    Negative control: without the seeding the built tokens are Transformers' zeros."""
+    _family_or_skip("instructblip")
+    model: Any = entries.build_family_model("instructblip")
+    tokens = model.get_parameter("query_tokens")
+    assert bool(tokens.std() > 0)
+    monkeypatch.setattr(entries, "seed_query_tokens", lambda model: None)
+    bare: Any = entries.build_family_model("instructblip")
+    assert not bool(bare.get_parameter("query_tokens").any())

@@ -29,7 +29,7 @@ from pytest_fp32keep.check.families.discovery import (
 from pytest_fp32keep.check.families.overrides import OVERRIDES, SAME_LAYOUT_AS
 from pytest_fp32keep.check.families.shrink import tiny_config
 from pytest_fp32keep.check.zoo import ZOO, ZooEntry
-from pytest_fp32keep.check.zoo.building import build_seeded
+from pytest_fp32keep.check.zoo.building import build_seeded, seed_query_tokens
 
 #: A shrunk model above this many parameters was not shrunk (a size field this module does not
 #: know): not buildable, rather than a slow check.
@@ -65,6 +65,7 @@ def build_class(cls: Any, family: str) -> nn.Module:
     """``cls`` from the family's shrunk default config, FP32, seeded, offline."""
     config = tiny_config(cls.config_class, OVERRIDES.get(family, {}))
     model = build_seeded(cls, config)
+    seed_query_tokens(model)  # as a checkpoint holds them: Transformers' zeros give fp16 NaN
     count = sum(param.numel() for param in model.parameters())
     if count > MAX_PARAMETERS:
         raise ValueError(

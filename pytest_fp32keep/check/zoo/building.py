@@ -98,3 +98,20 @@ def build_seeded(cls: Any, config: Any) -> nn.Module:
         finally:
             torch.set_default_dtype(previous_default)
     return model
+
+
+def seed_query_tokens(model: nn.Module) -> None:
+    """Seeded small values for a Q-Former model's root ``query_tokens``, in place (no-op for a
+    model without them).
+
+    Transformers initialises them to zeros, and InstructBlip's Q-Former (not kept)
+    layer-normalises them in fp16, where its eps (1e-12) is 0: a zero row's variance is 0 and
+    the unsharded fp16 model itself gets NaN gradients for ``query_tokens`` and that layernorm,
+    leaving nothing to compare. Trained query tokens are never constant.
+    """
+    tokens = getattr(model, "query_tokens", None)
+    if not isinstance(tokens, nn.Parameter):
+        return
+    generator = torch.Generator().manual_seed(BUILD_SEED)
+    with torch.no_grad():
+        tokens.copy_(0.02 * torch.randn(tokens.shape, generator=generator, dtype=tokens.dtype))

@@ -10,7 +10,11 @@ import torch
 from torch import nn
 
 from pytest_fp32keep.check.zoo.batches import causal_lm_batch, seq2seq_batch, vision_language_batch
-from pytest_fp32keep.check.zoo.building import BUILD_SEED, instantiate, make_config
+from pytest_fp32keep.check.zoo.building import (
+    instantiate,
+    make_config,
+    seed_query_tokens,
+)
 from pytest_fp32keep.check.zoo.entry import KeepExpectation, ZooAvailability, ZooEntry
 
 _VOCAB = 64
@@ -193,14 +197,7 @@ def _build_instructblip() -> nn.Module:
         image_token_index=_VOCAB - 1,
     )
     model = instantiate("InstructBlipForConditionalGeneration", config)
-    # Transformers initialises query_tokens to zeros, and InstructBlip's Q-Former (not kept)
-    # layer-normalises them in fp16, where its eps (1e-12) is 0: a zero row's variance is 0 and
-    # the unsharded fp16 model itself gets NaN gradients for query_tokens and that layernorm,
-    # leaving nothing to compare. Trained query tokens are never constant; these are seeded.
-    generator = torch.Generator().manual_seed(BUILD_SEED)
-    with torch.no_grad():
-        tokens = model.get_parameter("query_tokens")
-        tokens.copy_(0.02 * torch.randn(tokens.shape, generator=generator))
+    seed_query_tokens(model)  # Transformers' zeros give the unsharded fp16 model NaN gradients
     return model
 
 
