@@ -29,6 +29,11 @@ defined on a base class), not of its own class only:
   computes a length from convolution strides) would otherwise make every call an all-gather of
   the whole unit (:mod:`fp32keep.source_use`).
 
+* :func:`uses_from_outside`: for a unit fp32keep makes (:mod:`fp32keep.unit_reach`), each
+  ``self.PATH.TENSOR`` and ``self.PATH(...)`` in the runtime methods of its ancestors outside it
+  that reaches a parameter the unit manages (read from the syntax tree, not the text: a string
+  such as Transformers' ``_tied_weights_keys`` is no read).
+
 A read the source does not spell out (``getattr`` with a computed name, a function reached
 through an attribute or handed the module on to another function, a class whose source is
 unavailable) is not found; such a module is treated as called, as before.

@@ -12,6 +12,8 @@ reads their source.
   that is no unit, inside the ``decoder`` unit, after the decoder ran: it gathers nothing either.
 * :class:`ChildCallingRoot`: the positive control: the head is a child of the root (so a unit of
   its own) and the root calls it.
+* :class:`SubtreeCallingRoot`: calls ``self.decoder.extra(h)``, a ``Sequential`` inside the
+  decoder's unit that owns no parameter itself (its ``Linear`` does).
 * :class:`InspectingRoot`: calls its child head, and only inspects a weight inside the decoder's
   unit (``isinstance``, ``.dtype``): what works on a sharded parameter too, so not a use.
 * :class:`ProjReadingStack`: an attention owning only kept ``sinks`` (an owner unit, its
@@ -97,6 +99,17 @@ class ChildCallingRoot(HeadReadingRoot):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.hidden(ids))  # type: ignore[no-any-return]
+
+
+class SubtreeCallingRoot(ChildCallingRoot):
+    """Calls a container inside the decoder's unit from the root."""
+
+    def __init__(self, width: int = 8, vocab: int = 16, queries: int = 2) -> None:
+        super().__init__(width, vocab, queries)
+        self.decoder.extra = nn.Sequential(nn.Linear(width, width))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.decoder.extra(self.hidden(ids)))  # type: ignore[no-any-return]
 
 
 class InspectingRoot(ChildCallingRoot):

@@ -22,6 +22,7 @@ from tests.core.read_toys import (
     HeadReadingRoot,
     InspectingRoot,
     ProjReadingStack,
+    SubtreeCallingRoot,
 )
 
 BF16 = torch.bfloat16
@@ -95,6 +96,23 @@ def test_a_call_from_outside_of_a_module_inside_the_unit_is_refused(observed: bo
     evidence = "<root>.forward > decoder.head.__call__" if observed else "(decoder.head(...);"
     assert evidence in text
     assert "Fix: the call gathers nothing, as 'decoder.head' is no unit" in text
+
+
+@pytest.mark.parametrize("observed", [False, True], ids=["source", "observed"])
+def test_a_call_of_a_container_inside_the_unit_names_the_parameters_below_it(
+    observed: bool,
+) -> None:
+    error = refusal(SubtreeCallingRoot(), observed=observed)
+    assert [(p.fqn, p.reason) for p in error.problems] == [
+        ("decoder.extra.0.bias", "read-not-called"),
+        ("decoder.extra.0.weight", "read-not-called"),
+    ]
+    evidence = (
+        "decoder.extra.__call__ > decoder.extra.forward > decoder.extra.0.__call__"
+        if observed
+        else "(decoder.extra(...);"
+    )
+    assert evidence in flat(error)
 
 
 @pytest.mark.parametrize("observed", [False, True], ids=["source", "observed"])
