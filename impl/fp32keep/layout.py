@@ -34,13 +34,13 @@ from fp32keep.layout_problems import (
     read_problem,
     root_problem,
     tied_problem,
-    uncovered_problem,
 )
 from fp32keep.observe import ParameterUse, UnitMembers
 from fp32keep.plan import KeepPlan
 from fp32keep.reads import DirectRead, find_direct_read
 from fp32keep.tensors import dtype_name, is_castable_float, iter_owned, join
 from fp32keep.tied_units import TieGroup, sharding_order, tie_groups
+from fp32keep.unit_reach import outside_uses
 
 UnitKind = Literal["kept", "standard", "root"]
 KeptGrouping: TypeAlias = bool | Literal["block", "model"]
@@ -216,7 +216,9 @@ def plan_layout(
     reads what, and which methods other than ``forward`` run each unit
     (``Layout.forward_methods``), is taken from ``observed`` when given, else from the source
     (:mod:`fp32keep.reads`); with ``observed``, a kept parameter used while no module of its
-    unit runs is refused too (``read-not-called``).
+    unit runs is refused too (``read-not-called``), and so, observed or from the source, is any
+    parameter of a unit fp32keep makes that code outside the unit uses
+    (:mod:`fp32keep.unit_reach`).
 
     Args:
         model: the unsharded model, already cast (kept tensors FP32).
@@ -356,13 +358,10 @@ def _draft(
     for name, label in owner.items():
         managed[label].append(name)
     members = [UnitMembers(unit.module_fqns, managed[unit.label]) for unit in units]
-    if observed is not None:
-        refused = {problem.fqn for problem in problems}
-        problems += [
-            uncovered_problem(name, owner[name], stack, dtype_name(plan.dtype))
-            for name, stack in observed.coverage(members).uncovered.items()
-            if name in plan.param_names and name not in refused
-        ]
+    refused = {problem.fqn for problem in problems}
+    problems += outside_uses(
+        model, plan, units, members, standard, selection.owners, observed, refused
+    )
     return _Draft(units, owner, replicated, members, problems)
 
 

@@ -97,6 +97,34 @@ def uncovered_problem(fqn: str, unit_label: str, stack: Stack, low: str) -> Layo
     )
 
 
+def outside_use_problem(
+    fqn: str, unit_label: str, read: DirectRead, why: str, model: nn.Module, *, called: bool
+) -> LayoutProblem:
+    """A parameter of a unit fp32keep made (``why``: how it came to be a unit) that code
+    outside the unit reads, or reaches by ``called`` a module inside it that is no unit."""
+    module = read.module_fqn
+    kind = type(model.get_submodule(module)).__name__
+    own_unit = unit_label == module
+    wrap = f"make {module!r} a unit of its own (name its class, {kind}, in wrap=...)"
+    if called:
+        fix = f"the call gathers nothing, as {module!r} is no unit: {wrap}"
+    else:
+        fix = f"call {module!r} instead of reading its {fqn.rpartition('.')[2]}"
+        fix += "" if own_unit else f", and {wrap}"
+    if not own_unit:
+        fix += f"; or move the code that uses it into the forward of {unit_label!r}"
+    return LayoutProblem(
+        fqn,
+        "read-not-called",
+        f"is in unit {unit_label!r} ({why}), but {read.reader} "
+        f"({read.reader_fqn or '<root>'!r}) uses it outside that unit ({read.expression}"
+        f"{_evidence(read)}) while no module of the unit runs: FSDP2 all-gathers a unit only "
+        "around its own modules' forward and registered methods, so there it would meet the "
+        "sharded parameter and the model would be sharded, then fail at its first forward "
+        f"('mixed torch.Tensor and DTensor'). Fix: {fix}.",
+    )
+
+
 def root_problem(
     fqn: str,
     model: nn.Module,

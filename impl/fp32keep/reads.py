@@ -29,6 +29,11 @@ defined on a base class), not of its own class only:
   computes a length from convolution strides) would otherwise make every call an all-gather of
   the whole unit (:mod:`fp32keep.source_use`).
 
+* :func:`uses_from_outside`: for a unit fp32keep makes (:mod:`fp32keep.unit_reach`), each
+  ``self.PATH.TENSOR`` and ``self.PATH(...)`` in the runtime methods of its ancestors outside it
+  that reaches a parameter the unit manages (read from the syntax tree, not the text: a string
+  such as Transformers' ``_tied_weights_keys`` is no read).
+
 A read the source does not spell out (``getattr`` with a computed name, a function reached
 through an attribute or handed the module on to another function, a class whose source is
 unavailable) is not found; such a module is treated as called, as before.
@@ -37,10 +42,11 @@ unavailable) is not found; such a module is treated as called, as before.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -279,3 +285,116 @@ def called_methods(model: nn.Module, module_fqn: str) -> tuple[str, ...]:
     call = re.compile(rf"\b{name}\s*\.\s*({'|'.join(map(re.escape, sorted(own)))})\s*\(")
     found = {match.group(1) for _, _, source in ancestors for match in call.finditer(source)}
     return tuple(sorted(method for method in found if _method_uses_parameters(module, method)))
+
+
+def _self_chain(node: ast.expr) -> tuple[str, ...] | None:
+    """``("a", "b", "c")`` for ``self.a.b.c``; ``None`` for anything else."""
+    names: list[str] = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name) and node.id == "self" and names:
+        return tuple(reversed(names))
+    return None
+
+
+#: Builtins that look at an object without computing with it: fine on a sharded DTensor.
+_INERT_CALLS = frozenset({"isinstance", "type", "id", "hasattr", "getattr", "callable"})
+
+
+def _inert(parent: ast.AST | None, node: ast.expr) -> bool:
+    """Whether ``node`` is only looked at (``isinstance(self.wo.weight, Tensor)``,
+    ``self.head.bias is None``), not computed with."""
+    if isinstance(parent, ast.Call) and node in parent.args:
+        return isinstance(parent.func, ast.Name) and parent.func.id in _INERT_CALLS
+    return isinstance(parent, ast.Compare) and all(
+        isinstance(op, ast.Is | ast.IsNot) for op in parent.ops
+    )
+
+
+_Use = tuple[str, tuple[str, ...], bool]  # (method, chain, called)
+
+
+@functools.lru_cache(maxsize=512)
+def _chain_uses(cls: type) -> tuple[_Use, ...]:
+    """Each outermost ``self.A.B...`` in the runtime methods of ``cls``'s own source
+    (:func:`_runtime_methods`): ``(method, ("A", "B", ...), whether it is called)``."""
+    found: list[_Use] = []
+    for method in _runtime_methods(source_of(cls)):
+        parents = {child: node for node in ast.walk(method) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(method):
+            parent = parents.get(node)
+            if not isinstance(node, ast.Attribute) or isinstance(parent, ast.Attribute):
+                continue  # not an attribute, or not the outermost part of its chain
+            chain = _self_chain(node)
+            if chain is None:
+                continue
+            called = isinstance(parent, ast.Call) and parent.func is node
+            if not _inert(parent, node):
+                found.append((method.name, chain, called))
+    return tuple(found)
+
+
+def _owned_below(fqn: str, owned: Mapping[str, Collection[str]]) -> list[str]:
+    """The names of the parameters in ``owned`` that ``fqn`` or a module below it owns."""
+    return sorted(
+        f"{module}.{tensor}"
+        for module, tensors in owned.items()
+        if module == fqn or module.startswith(fqn + ".")
+        for tensor in tensors
+    )
+
+
+def uses_from_outside(
+    model: nn.Module, modules: Sequence[str], owned: Mapping[str, Collection[str]]
+) -> list[tuple[str, DirectRead, bool]]:
+    """What the source of the ancestors outside a unit does with the unit's parameters.
+
+    ``modules`` are the unit's modules, ``owned`` maps each module owning parameters the unit
+    manages to their attribute names. For every model class of every ancestor of ``modules``
+    that lies outside the unit, each ``self.PATH.TENSOR`` in its runtime methods (not for
+    metadata, ``isinstance``, ``is None``) naming one of those parameters is a read, and each
+    ``self.PATH(...)`` calling a module inside the unit that is not itself one of its modules is
+    a call of every such parameter at or below it (FSDP2 gathers nothing around it):
+    ``(parameter name, read, called)``. Only the methods
+    the ancestor's class resolves to are read (a base's ``forward`` a subclass overrides is not
+    what runs), spelled through ``self`` only: a path through an index
+    (``self.layers[0].weight``), ``getattr`` or a local name is not found.
+    """
+
+    def inside(fqn: str) -> bool:
+        return any(fqn == m or fqn.startswith(m + ".") for m in modules)
+
+    found: dict[str, tuple[str, DirectRead, bool]] = {}
+    ancestors = {
+        ".".join(fqn.split(".")[:cut])
+        for fqn in modules
+        if fqn
+        for cut in range(fqn.count(".") + 1)
+    }
+    for ancestor_fqn in sorted(a for a in ancestors if not inside(a)):
+        ancestor = model.get_submodule(ancestor_fqn)
+        for cls in model_classes(type(ancestor)):
+            for method, chain, called in _chain_uses(cls):
+                if inspect.getattr_static(type(ancestor), method, None) is not vars(cls).get(
+                    method
+                ):
+                    continue  # overridden by a more derived class: not what runs
+                where = f"{cls.__name__}.{method}()"
+                for cut in range(1, len(chain) + 1):
+                    path = ".".join(chain[:cut])
+                    full = f"{ancestor_fqn}.{path}" if ancestor_fqn else path
+                    module_fqn, _, tensor = full.rpartition(".")
+                    after = chain[cut] if cut < len(chain) else None
+                    if tensor in owned.get(module_fqn, ()) and after not in METADATA_ATTRIBUTES:
+                        evidence = f"read in {where}"
+                        read = DirectRead(module_fqn, cls.__name__, path, ancestor_fqn, evidence)
+                        found.setdefault(full, (full, read, False))
+                    elif cut == len(chain) and called and inside(full) and full not in modules:
+                        evidence = f"called in {where}"
+                        read = DirectRead(
+                            full, cls.__name__, f"{path}(...)", ancestor_fqn, evidence
+                        )
+                        for name in _owned_below(full, owned):
+                            found.setdefault(name, (name, read, True))
+    return list(found.values())

@@ -113,8 +113,8 @@ def test_negative_control_an_inherited_forward_that_calls_the_module() -> None:
 
 def test_a_kept_parameter_used_outside_its_unit_is_refused_naming_the_stack() -> None:
     # The parent calls scaler.proj itself: proj's weights belong to the scaler's unit, which
-    # FSDP2 gathers only in the scaler's call. The source scan sees a call of `scaler(` and lets
-    # it through (the first forward would fail); the observation refuses it, saying where.
+    # FSDP2 gathers only in the scaler's call. The observation refuses it, saying where; the
+    # source scan of the unit's ancestors (fp32keep.unit_reach) finds the call too.
     model = cast(ChildCalledStack())
     plan = resolve(model, BF16, transformers_version=SEMANTICS)
     with pytest.raises(KeepLayoutError) as error:
@@ -127,7 +127,10 @@ def test_a_kept_parameter_used_outside_its_unit_is_refused_naming_the_stack() ->
     assert "is kept (torch.float32) in unit 'scaler', but the observed forward used it in " in text
     assert "<root>.__call__ > <root>.forward > scaler.proj.__call__ > scaler.proj.forward" in text
     assert "mixed torch.Tensor and DTensor" in text and "freeze it" in text
-    assert ("kept", ("scaler",)) in units(plan_layout(model, plan))  # the scan's answer
+    with pytest.raises(KeepLayoutError) as scanned:
+        plan_layout(model, plan)
+    assert [p.fqn for p in scanned.value.problems] == ["scaler.proj.bias", "scaler.proj.weight"]
+    assert "(scaler.proj(...); called in ChildCalledStack.forward())" in str(scanned.value)
 
 
 def test_negative_control_the_child_called_inside_its_unit_only() -> None:
