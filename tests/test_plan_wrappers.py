@@ -94,6 +94,13 @@ class PeftModelLike(_Forwarding):
         self.base_model = LoraModelLike(model)
 
 
+def t5_keeps(dtype: torch.dtype) -> bool:
+    """Whether the installed release keeps T5's ``wo`` under ``dtype``, from the zoo's written
+    table (fp16 in every release; bf16 in 5.0.0 alone, whose regular list has no dtype gate:
+    shared/docs/transformers-keep-semantics.md), not from the resolver under test."""
+    return ZOO["t5"].expectation(dtype) is not None
+
+
 def prefixed(prefix: str, names: frozenset[str]) -> set[str]:
     return {f"{prefix}.{name}" for name in names}
 
@@ -112,7 +119,7 @@ def test_wrapper_keeps_what_the_wrapped_model_keeps(
 ) -> None:
     inner = t5()
     expected = prefixed(prefix, resolve_keep_plan(inner, dtype).param_names)
-    assert len(expected) == (T5_WO if dtype == FP16 else 0)
+    assert len(expected) == (T5_WO if t5_keeps(dtype) else 0)
     plan = resolve_keep_plan(wrap(inner), dtype)
     assert set(plan.param_names) == expected
     assert plan.declared_by == (prefix,)
@@ -136,7 +143,7 @@ def test_peft_style_wrapper_keeps_the_lora_wrapped_wo(dtype: torch.dtype) -> Non
     plan = resolve_keep_plan(model, dtype)
     assert plan.declared_by == ("base_model.model",)
     kept = set(plan.param_names)
-    if dtype == BF16:
+    if not t5_keeps(dtype):
         assert kept == set()
         return
     base = {name for name in kept if name.endswith(".wo.base_layer.weight")}

@@ -302,7 +302,7 @@ def load_full_state_dict(
     given = init_buffers is not None
     arguments = (src_rank, strict, cpu_offload, bucket_bytes, direct_bytes, given)
     local, targets = _local_report(model, state_dict, arguments, init_buffers)
-    reports = agree(local, src_rank)
+    reports = agree(local, src_rank, targets)
 
     shared: list[object] = [None]
     values: list[torch.Tensor | None] = []

@@ -47,16 +47,87 @@ class Report:
     boxes: tuple[Box, ...] = ()
 
 
+#: One target as the ranks compare it: names (tied aliases together), full shape, dtype,
+#: sharded, persistent.
+LayoutRow = tuple[tuple[str, ...], tuple[int, ...], str, bool, bool]
+
+
+def layout_rows(targets: Sequence[Target]) -> list[LayoutRow]:
+    return [(t.names, t.full_shape, str(t.dtype), t.sharded, t.persistent) for t in targets]
+
+
 def fingerprint(targets: Sequence[Target]) -> str:
     digest = hashlib.sha256()
-    for t in targets:
-        layout = (t.names, t.full_shape, str(t.dtype), t.sharded, t.persistent)
-        digest.update(repr(layout).encode())
+    for row in layout_rows(targets):
+        digest.update(repr(row).encode())
     return digest.hexdigest()
 
 
-def agree(local: Report, src_rank: int) -> list[Report]:
-    """Gather every rank's report and raise, on every rank, if the ranks cannot load together."""
+def _others(name: str, names: tuple[str, ...]) -> str:
+    others = [other for other in names if other != name]
+    return f"tied to {others}" if others else "untied"
+
+
+def layout_differences(
+    a: Sequence[LayoutRow], b: Sequence[LayoutRow], ra: int, rb: int
+) -> list[str]:
+    """How rank ``rb``'s model differs from rank ``ra``'s, one line per difference, by name."""
+    rows_a = {name: row for row in a for name in row[0]}
+    rows_b = {name: row for row in b for name in row[0]}
+    found: list[str] = []
+    told: set[str] = set()
+    for name in sorted(rows_a.keys() | rows_b.keys()):
+        row_a, row_b = rows_a.get(name), rows_b.get(name)
+        if row_a is None or row_b is None:
+            found.append(f"{name!r} is on rank {ra if row_b is None else rb} only")
+        elif row_a[0] != row_b[0]:
+            if name not in told:  # one line per tie, not one per alias
+                found.append(
+                    f"{name!r} is {_others(name, row_a[0])} on rank {ra}, "
+                    f"{_others(name, row_b[0])} on rank {rb}"
+                )
+                told.update(row_a[0] + row_b[0])
+        elif row_a != row_b and name == row_a[0][0]:
+            fields = ("shape", "dtype", "sharded", "persistent")
+            found += [
+                f"{name!r}: {field} {x} on rank {ra}, {y} on rank {rb}"
+                for field, x, y in zip(fields, row_a[1:], row_b[1:], strict=True)
+                if x != y
+            ]
+    return found
+
+
+def _model_difference(targets: Sequence[Target], reports: Sequence[Report]) -> str:
+    """What differs between rank 0's model and the first rank's whose fingerprint differs: the
+    same text on every rank (one more collective, on this failure path alone)."""
+    layouts: list[list[LayoutRow] | None] = [None] * len(reports)
+    dist.all_gather_object(layouts, layout_rows(targets))
+    other = next(r for r, rep in enumerate(reports) if rep.fingerprint != reports[0].fingerprint)
+    first, second = layouts[0], layouts[other]
+    assert first is not None and second is not None
+    found = layout_differences(first, second, 0, other)
+    shown = "; ".join(found[:_SHOWN]) + (
+        f"; and {len(found) - _SHOWN} more" if len(found) > _SHOWN else ""
+    )
+    text = f": {shown}" if shown else ""
+    if any(" tied to " in line for line in found):
+        text += (
+            ". A tied weight is untied on some rank: tie it there before apply_fsdp2 "
+            "(model.tie_weights(), as from_pretrained does at its end; Transformers 5.0.0 "
+            "leaves a model built under torch.device('meta') untied)"
+        )
+    return text
+
+
+_SHOWN = 5  # differences named in the refusal
+
+
+def agree(local: Report, src_rank: int, targets: Sequence[Target] = ()) -> list[Report]:
+    """Gather every rank's report and raise, on every rank, if the ranks cannot load together.
+
+    ``targets`` are this rank's (:func:`fp32keep.load_move.collect_targets`): when the ranks'
+    models differ, the refusal names how.
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
     gathered: list[Report | None] = [None] * world
     dist.all_gather_object(gathered, local)
@@ -90,9 +161,12 @@ def agree(local: Report, src_rank: int) -> list[Report]:
         )
     differing_ranks = [r for r, rep in enumerate(reports) if rep.fingerprint != local.fingerprint]
     if differing_ranks:
+        # every rank gets here (some rank differs from each), so the extra collective pairs up
+        how = _model_difference(targets, reports)
         raise ValueError(
             f"load_full_state_dict: the model on ranks {differing_ranks} differs from rank "
-            f"{rank}'s (names, shapes or dtypes); every rank must build and shard the same model"
+            f"{rank}'s (names, shapes or dtypes); every rank must build and shard the same "
+            f"model{how}"
         )
     return reports
 

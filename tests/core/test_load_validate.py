@@ -2,7 +2,8 @@
 
 ``fp32keep.load_validate.validate`` runs on the source rank only; whatever it finds is broadcast
 and raised on every rank (tests/multirank/test_load_refusals_fsdp2.py). Here: that it never
-raises, reads each needed value once, and tells tied aliases apart bit for bit.
+raises, reads each needed value once, and tells tied aliases apart bit for bit; and how the
+refusal of ranks holding different models names what differs.
 """
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from fp32keep.load_move import Target
-from fp32keep.load_validate import entry_problem, same_values, validate
+from fp32keep.load_validate import (
+    entry_problem,
+    layout_differences,
+    layout_rows,
+    same_values,
+    validate,
+)
 
 
 def target(
@@ -77,3 +84,25 @@ def test_validate_never_raises() -> None:
     verdict, values = validate([target("a")], Broken())
     assert verdict.mismatched == (("a", "reading it raised KeyError: 'a'"),)
     assert values == [None]
+
+
+def test_models_that_differ_are_told_apart_by_name() -> None:
+    """What the refusal of ranks holding different models says (its collectives are in
+    tests/multirank/test_load_meta_fsdp2.py): a tie one rank lacks, once per tie; a tensor one
+    rank lacks; each field that differs. Negative control: equal models differ in nothing."""
+    tied = [target("embed.weight", "head.weight"), target("norm.weight", shape=(2,))]
+    assert layout_differences(layout_rows(tied), layout_rows(tied), 0, 1) == []
+    untied = [target("embed.weight"), target("head.weight"), target("norm.weight", shape=(2,))]
+    assert layout_differences(layout_rows(tied), layout_rows(untied), 0, 1) == [
+        "'embed.weight' is tied to ['head.weight'] on rank 0, untied on rank 1"
+    ]
+    other = [
+        target("embed.weight", "head.weight", dtype=torch.bfloat16),
+        target("norm.weight", shape=(3,)),
+        target("extra"),
+    ]
+    assert layout_differences(layout_rows(tied), layout_rows(other), 0, 2) == [
+        "'embed.weight': dtype torch.float32 on rank 0, torch.bfloat16 on rank 2",
+        "'extra' is on rank 2 only",
+        "'norm.weight': shape (2,) on rank 0, (3,) on rank 2",
+    ]

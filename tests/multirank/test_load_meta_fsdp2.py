@@ -112,7 +112,13 @@ def built(name: str, how: str) -> nn.Module:
         return build()
     if how == "meta":
         with torch.device("meta"):
-            return build()
+            model = build()
+        # Transformers 5.0.0's init_weights skips tie_weights under the meta device (4.x and
+        # 5.1+ tie there), leaving Gemma3's lm_head and embed_tokens two tensors, unlike rank 0's
+        # real model: from_pretrained ties them at its end, and so does this (idempotent where
+        # they are tied already). Left untied, the load is refused: the test below.
+        model.tie_weights()  # type: ignore[operator]
+        return model
     assert how == "empty"
     with init_empty_weights():
         model = build()
@@ -184,6 +190,31 @@ def test_meta_init_gives_the_eager_logits_on_every_rank(
         logits = model(input_ids=IDS).logits
         expected_logits = reference(input_ids=IDS).logits
     assert torch.equal(logits, expected_logits), f"rank {rank()}"
+
+
+def test_a_tie_missing_on_one_rank_is_refused_naming_it(mesh: DeviceMesh) -> None:
+    """Rank 1 builds Gemma3 on the meta device untied (what Transformers 5.0.0 builds there
+    without ``tie_weights()``; made so here on every release): the ranks hold different
+    models, and each names the tie and its fix, before any tensor moves."""
+    model = built("gemma3", "real" if rank() == 0 else "meta")
+    if rank() == 1:  # untie: lm_head gets a tensor of its own
+        head = model.get_submodule("lm_head")
+        assert isinstance(head, nn.Linear)
+        head.weight = nn.Parameter(torch.empty_like(head.weight))
+    checkpoint = model.state_dict() if rank() == 0 else None
+    fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=FP32_POLICY)
+    error = refused_on_every_rank(
+        lambda: fp32keep.load_full_state_dict(model, checkpoint),
+        ValueError,
+        re.escape(
+            "every rank must build and shard the same model: 'lm_head.weight' is tied to "
+            "['model.embed_tokens.weight'] on rank 0, untied on rank 1. A tied weight is "
+            "untied on some rank: tie it there before apply_fsdp2 (model.tie_weights()"
+        ),
+        same_message=False,  # each rank names the others as the ones that differ
+    )
+    assert f"the model on ranks [{1 - rank()}] differs from rank {rank()}'s" in str(error)
+    assert all(t.is_meta for t in model.parameters()) == (rank() == 1)  # nothing loaded
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3"])  # literal ids: docs/errors.md
