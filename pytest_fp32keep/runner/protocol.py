@@ -8,6 +8,8 @@ once and identifies itself. After that the conversation is strictly lock-step:
     rank -> controller   ready(collection_errors, observes)  once, after collecting its files
     controller -> rank   run(nodeid, next_nodeid, seed)      one test
     rank -> controller   report(nodeid, report)               per phase, as soon as it exists
+                                                              (a passed teardown's: in the
+                                                              same write as ``done``)
     rank -> controller   waiting(nodeid, wait)                when the test's main thread has
                                                               been blocked in communication
                                                               for a while, and when that ends
@@ -100,20 +102,25 @@ class FrameDecoder:
 
     def feed(self, data: bytes) -> list[Message]:
         """Add ``data`` and return every message that is now complete."""
-        self._buffer += data
+        buffer = self._buffer
+        buffer += data
         messages: list[Message] = []
-        while len(self._buffer) >= _HEADER.size:
-            (length,) = _HEADER.unpack_from(self._buffer)
-            if length > MAX_FRAME_BYTES:
-                raise ProtocolError(f"frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
-            end = _HEADER.size + length
-            if len(self._buffer) < end:
-                break
-            message = json.loads(bytes(self._buffer[_HEADER.size : end]).decode("utf-8"))
-            del self._buffer[:end]
-            if not isinstance(message, dict) or "type" not in message:
-                raise ProtocolError(f"frame is not a message: {message!r:.200}")
-            messages.append(message)
+        start, size = 0, len(buffer)
+        try:
+            while size - start >= _HEADER.size:
+                (length,) = _HEADER.unpack_from(buffer, start)
+                if length > MAX_FRAME_BYTES:
+                    raise ProtocolError(f"frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
+                end = start + _HEADER.size + length
+                if size < end:
+                    break
+                message = json.loads(buffer[start + _HEADER.size : end].decode("utf-8"))
+                start = end
+                if not isinstance(message, dict) or "type" not in message:
+                    raise ProtocolError(f"frame is not a message: {message!r:.200}")
+                messages.append(message)
+        finally:
+            del buffer[:start]  # once per read, not once per frame
         return messages
 
 
@@ -139,6 +146,12 @@ class Channel:
         frame = encode(message)
         with self._send_lock:
             self.sock.sendall(frame)
+
+    def send_many(self, messages: list[Message]) -> None:
+        """Send several messages in one write: the peer reads them in one wake-up."""
+        frames = b"".join(encode(message) for message in messages)
+        with self._send_lock:
+            self.sock.sendall(frames)
 
     def receive(self) -> Message:
         """Block until one message arrives (rank side: the controller paces the ranks)."""
