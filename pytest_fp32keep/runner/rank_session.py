@@ -84,7 +84,6 @@ class RankSessionPlugin:
         self._collection_errors: list[str] = []
         self._numpy_seed: Any = _numpy_seed_function()
         self._warnings: list[dict[str, Any]] = []  # the current test's, for the parent's summary
-        self._held: list[protocol.Message] = []  # a passed teardown's report, sent with done
         self._spill_dir = spill_dir
 
     @pytest.hookimpl(tryfirst=True)
@@ -121,9 +120,8 @@ class RankSessionPlugin:
 
         Streaming (rather than one answer at the end) lets the controller see a failure
         while the other ranks may still be stuck, and know in which phase a rank hangs. A
-        passed teardown is the exception: no phase follows it, and nothing the controller
-        would act on (it leaves a rank only by a failure or by ``done``), so it waits for
-        ``done`` and both go in one write: the controller wakes once for them, not twice.
+        passed report is coalesced with the next message (:mod:`.protocol`): the controller
+        acts only on failures and ``done``, so a passing test wakes it once, not four times.
         """
         if self._current is None or report.nodeid != self._current:
             return
@@ -131,10 +129,7 @@ class RankSessionPlugin:
         spill_report(report, self._spill_dir)
         data = self._config.hook.pytest_report_to_serializable(config=self._config, report=report)
         message = protocol.report(self._current, data)
-        if report.when == "teardown" and report.passed:
-            self._held.append(message)
-        else:
-            self._channel.send(message)
+        self._channel.send(message, coalesce=report.passed)
 
     def _run(self, session: pytest.Session, items: dict[str, pytest.Item], message: Any) -> None:
         nodeid: str = message["nodeid"]
@@ -158,7 +153,6 @@ class RankSessionPlugin:
         defaults = TorchDefaults.take()
         self._current = nodeid
         self._warnings = []
-        self._held = []
         self._watch.begin(nodeid)
         try:
             item.config.hook.pytest_runtest_protocol(item=item, nextitem=nextitem)
@@ -184,11 +178,11 @@ class RankSessionPlugin:
         broken = process_group_problem()
         if broken is not None:
             problems.append(broken)
-        done = protocol.done(
-            nodeid, notes, problems=problems, warnings=self._warnings, broken=bool(broken)
+        self._channel.send(
+            protocol.done(
+                nodeid, notes, problems=problems, warnings=self._warnings, broken=bool(broken)
+            )
         )
-        self._channel.send_many([*self._held, done])
-        self._held = []
 
     def pytest_warning_recorded(
         self, warning_message: warnings.WarningMessage, when: str, nodeid: str

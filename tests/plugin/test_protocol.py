@@ -1,9 +1,10 @@
-"""The wire between the controller and its ranks, checked without processes: framing, several
-frames in one write, and which of a rank's messages share a write (issue 24: the controller wakes
-once per write, so a passing test costs it one wake-up less per rank)."""
+"""The wire between the controller and its ranks, checked without processes: framing, passed
+reports coalesced with the next message (issue 24: the controller wakes once per segment, so a
+passing test wakes it once per rank, not four times), and spilling long texts."""
 
 from __future__ import annotations
 
+import select
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,13 +21,27 @@ from pytest_fp32keep.runner.waits import CommunicationWatch
 NODEID = "test_x.py::test_y"
 
 
+needs_cork = pytest.mark.skipif(
+    not hasattr(socket, "TCP_CORK"), reason="coalescing uses Linux's TCP_CORK"
+)
+
+
 @pytest.fixture
-def pair() -> Iterator[tuple[protocol.Channel, protocol.Channel]]:
-    ours, theirs = socket.socketpair()
+def tcp_pair() -> Iterator[tuple[protocol.Channel, protocol.Channel]]:
+    """Two ends of a loopback TCP connection, as between the controller and a rank."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        ours = socket.create_connection(listener.getsockname())
+        theirs, _ = listener.accept()
     sender, receiver = protocol.Channel(ours), protocol.Channel(theirs)
     yield sender, receiver
     sender.close()
     receiver.close()
+
+
+def _readable(channel: protocol.Channel, timeout: float) -> bool:
+    return bool(select.select([channel.sock], [], [], timeout)[0])
 
 
 def test_frames_split_anywhere_are_decoded_whole_and_in_order() -> None:
@@ -44,26 +59,69 @@ def test_a_frame_that_is_no_message_is_refused_and_the_next_one_still_decodes() 
     assert decoder.feed(protocol.encode({"type": "exit"})[3:]) == [{"type": "exit"}]
 
 
-def test_send_many_is_one_write_the_peer_reads_at_once(
-    pair: tuple[protocol.Channel, protocol.Channel],
+@needs_cork
+def test_a_coalesced_message_waits_for_the_next_and_both_arrive_together(
+    tcp_pair: tuple[protocol.Channel, protocol.Channel],
 ) -> None:
-    sender, receiver = pair
-    messages = [protocol.report(NODEID, {"when": "teardown"}), protocol.done(NODEID, [])]
-    sender.send_many(messages)
-    assert receiver.read_available() == messages
+    sender, receiver = tcp_pair
+    setup, call = protocol.report(NODEID, {"when": "setup"}), protocol.report(NODEID, {})
+    sender.send(setup, coalesce=True)
+    sender.send(call, coalesce=True)
+    assert not _readable(receiver, 0.05)
+    done = protocol.done(NODEID, [])
+    sender.send(done)
+    assert _readable(receiver, 5)
+    assert receiver.read_available() == [setup, call, done]
 
 
-class _Writes:
-    """A socket stand-in that records each ``sendall`` as one write."""
+@needs_cork
+def test_a_coalesced_message_is_not_lost_when_the_sender_goes_away(
+    tcp_pair: tuple[protocol.Channel, protocol.Channel],
+) -> None:
+    sender, receiver = tcp_pair
+    setup = protocol.report(NODEID, {"when": "setup"})
+    sender.send(setup, coalesce=True)
+    sender.close()  # a rank that exits or dies: the kernel closes its socket the same way
+    assert _readable(receiver, 5)
+    assert receiver.read_available() == [setup]
+    with pytest.raises(protocol.ConnectionClosed):
+        receiver.read_available()
+
+
+@needs_cork
+def test_a_coalesced_message_goes_out_by_itself_when_nothing_follows(
+    tcp_pair: tuple[protocol.Channel, protocol.Channel],
+) -> None:
+    sender, receiver = tcp_pair
+    setup = protocol.report(NODEID, {"when": "setup"})
+    sender.send(setup, coalesce=True)  # then the rank hangs in the test's call
+    assert _readable(receiver, 2)  # Linux holds corked data for 200 ms at most
+    assert receiver.read_available() == [setup]
+
+
+class _Segments:
+    """A TCP socket stand-in: records what leaves as one segment, holding frames while corked."""
 
     def __init__(self) -> None:
-        self.writes: list[list[protocol.Message]] = []
+        self.segments: list[list[protocol.Message]] = []
+        self._held: list[protocol.Message] = []
+        self._corked = False
 
     def sendall(self, data: bytes) -> None:
-        self.writes.append(protocol.FrameDecoder().feed(data))
+        self._held += protocol.FrameDecoder().feed(data)
+        if not self._corked:
+            self._flush()
 
-    def setsockopt(self, *args: object) -> None:
-        pass
+    def setsockopt(self, level: int, option: int, value: int) -> None:
+        if option == getattr(socket, "TCP_CORK", None):
+            self._corked = bool(value)
+            if not self._corked:
+                self._flush()
+
+    def _flush(self) -> None:
+        if self._held:
+            self.segments.append(self._held)
+            self._held = []
 
 
 def _serialised(config: Any, report: pytest.TestReport) -> dict[str, Any]:
@@ -77,9 +135,9 @@ def _phase(when: str, outcome: str) -> pytest.TestReport:
 def _run_one_test(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, teardown: str
 ) -> list[list[protocol.Message]]:
-    """What one test's writes to the controller are, for a test whose teardown is ``teardown``."""
-    writes = _Writes()
-    channel = protocol.Channel(writes)  # type: ignore[arg-type]
+    """The segments one test sends the controller, for a test whose teardown is ``teardown``."""
+    segments = _Segments()
+    channel = protocol.Channel(segments)  # type: ignore[arg-type]
     watch = CommunicationWatch(channel, observes=False)
     plugin = rank_session.RankSessionPlugin(channel, RankContext(0, 0, 2, "gloo"), tmp_path, watch)
     plugin._config = SimpleNamespace(  # type: ignore[assignment]
@@ -96,7 +154,7 @@ def _run_one_test(
     )
     session = SimpleNamespace(_setupstate=None)
     plugin._run(session, {NODEID: item}, protocol.run(NODEID, None, 1))  # type: ignore[arg-type,dict-item]
-    return writes.writes
+    return segments.segments
 
 
 def _kinds(writes: list[list[protocol.Message]]) -> list[list[str]]:
@@ -105,18 +163,19 @@ def _kinds(writes: list[list[protocol.Message]]) -> list[list[str]]:
     ]
 
 
-def test_a_passed_teardown_report_goes_in_the_same_write_as_done(
+@needs_cork
+def test_a_passing_test_reaches_the_controller_in_one_segment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    writes = _run_one_test(tmp_path, monkeypatch, "passed")
-    assert _kinds(writes) == [["setup"], ["call"], ["teardown", "done"]]
+    segments = _run_one_test(tmp_path, monkeypatch, "passed")
+    assert _kinds(segments) == [["setup", "call", "teardown", "done"]]
 
 
-def test_a_failed_teardown_report_is_sent_at_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    writes = _run_one_test(tmp_path, monkeypatch, "failed")
-    assert _kinds(writes) == [["setup"], ["call"], ["teardown"], ["done"]]
+def test_a_failed_report_is_sent_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    segments = _run_one_test(tmp_path, monkeypatch, "failed")
+    cork = hasattr(socket, "TCP_CORK")
+    passed = [["setup", "call", "teardown"]] if cork else [["setup"], ["call"], ["teardown"]]
+    assert _kinds(segments) == [*passed, ["done"]]
 
 
 def test_only_long_sections_are_spilled(tmp_path: Path) -> None:
