@@ -308,6 +308,10 @@ def _watch_controller(sock: socket.socket) -> None:
                 if not sock.recv(1, socket.MSG_PEEK):
                     os._exit(EXIT_CONTROLLER_GONE)
                 time.sleep(WATCHDOG_POLL_S)  # a request waits for the main thread
+            except (ConnectionResetError, BrokenPipeError):
+                # Gone too: a controller that dies with a report of ours unread in its socket
+                # resets the connection instead of closing it.
+                os._exit(EXIT_CONTROLLER_GONE)
             except (OSError, ValueError):
                 return  # the main thread closed the socket: normal shutdown
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import select
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -189,3 +191,30 @@ def test_only_long_sections_are_spilled(tmp_path: Path) -> None:
     (spilled,) = tmp_path.iterdir()
     assert spilled.name == "test_x.py_test_y-call-section1.txt"
     assert spilled.read_text() == long
+
+
+RANK_WATCHDOG = """
+import socket, sys, time
+from pytest_fp32keep.runner.rank_session import _watch_controller
+sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+_watch_controller(sock)
+sock.sendall(b"a report the controller never reads")
+time.sleep(60)  # stuck in a collective: only the watchdog can end this rank
+"""
+
+
+def test_a_rank_ends_when_its_controller_dies_with_a_report_unread(tmp_path: Path) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_WATCHDOG)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        rank = subprocess.Popen([sys.executable, str(script), str(listener.getsockname()[1])])
+        try:
+            controller, _ = listener.accept()
+            assert select.select([controller], [], [], 30)[0], "the rank sent nothing"
+            controller.close()  # unread data: the kernel resets the connection (no FIN)
+            assert rank.wait(timeout=30) == rank_session.EXIT_CONTROLLER_GONE
+        finally:
+            rank.kill()
+            rank.wait()
