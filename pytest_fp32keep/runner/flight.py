@@ -10,7 +10,9 @@ the ranks say they are blocked in), a rank that died, or torchrun gone.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import math
 import selectors
 import time
 from typing import Final
@@ -78,16 +80,16 @@ class Flight:
     def run(self, next_nodeid: str | None, seed: int, timeout: float) -> None:
         """Send the test to every rank and wait, bounded, until each answered or is lost."""
         self.timeout = timeout
+        selector = self.group.selector()
         for rank in self.group.send_all(protocol.run(self.nodeid, next_nodeid, seed)):
             self.ended_at[rank] = time.time()
-        selector = selectors.DefaultSelector()
-        for rank, handle in self.group.ranks.items():
-            if rank not in self.ended_at:
-                selector.register(handle.channel, selectors.EVENT_READ, rank)
+            with contextlib.suppress(KeyError):  # not registered: nothing to wait for
+                selector.unregister(self.group.ranks[rank].channel)
         start = time.monotonic()
         failure_seen: float | None = None
         death_seen: float | None = start if self.ended_at else None
         progress = CpuProgress({rank: handle.pid for rank, handle in self.group.ranks.items()})
+        launcher_checked = -math.inf
         try:
             while self._waiting():
                 now = time.monotonic()
@@ -100,13 +102,15 @@ class Flight:
                 if death_seen is not None and now >= death_seen + DEATH_GRACE_S:
                     self.stop = _Stop.AFTER_DEATH
                     break
-                if not self.group.launcher_running():
-                    # torchrun is gone; whatever the sockets still hold is read below, then
-                    # every rank that did not answer counts as ended.
-                    self._drain(selector)
-                    for rank in self._waiting():
-                        self.ended_at[rank] = time.time()
-                    break
+                if now >= launcher_checked + POLL_S:  # a wait syscall: not at every message
+                    launcher_checked = now
+                    if not self.group.launcher_running():
+                        # torchrun is gone; whatever the sockets still hold is read below,
+                        # then every rank that did not answer counts as ended.
+                        self._drain(selector)
+                        for rank in self._waiting():
+                            self.ended_at[rank] = time.time()
+                        break
                 limit = min(POLL_S, start + timeout - now)
                 for key, _ in selector.select(max(limit, 0.0)):
                     rank = int(key.data)
@@ -121,8 +125,6 @@ class Flight:
             # turn it into this test's failure, with the ranks' stacks, instead of a crash.
             self.stop = _Stop.INTERRUPTED
             self.stop_detail = str(exc)
-        finally:
-            selector.close()
 
     def _peers_stuck(self, progress: CpuProgress, failure_seen: float, now: float) -> bool:
         """Whether the ranks still running are stuck after one left (``stuck`` judges)."""

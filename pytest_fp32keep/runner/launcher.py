@@ -110,6 +110,16 @@ class RankGroup:
         self.ranks: dict[int, RankHandle] = {}
         self.collection_errors: list[str] = []
         self.dead = False  # killed, or found broken: never to be used again
+        self._selector: selectors.BaseSelector | None = None
+
+    def selector(self) -> selectors.BaseSelector:
+        """The ranks' channels registered for reading (key data: the rank), made once and
+        kept while the group lives: each test waits on it without setting it up again."""
+        if self._selector is None:
+            self._selector = selectors.DefaultSelector()
+            for rank, handle in self.ranks.items():
+                self._selector.register(handle.channel, selectors.EVENT_READ, rank)
+        return self._selector
 
     # --- start ---------------------------------------------------------------------------
 
@@ -242,7 +252,9 @@ class RankGroup:
         """Whether the group can take another test: running, all ranks connected and idle."""
         if self.dead or not self.launcher_running() or len(self.ranks) != self.spec.nproc:
             return False
-        return all(_idle(handle.channel.sock) for handle in self.ranks.values())
+        # Between tests a rank sends nothing: a readable channel means it closed (end of
+        # stream, an error) or misbehaved. One poll of the kept selector sees every rank.
+        return not self.selector().select(0)
 
     def send_all(self, message: protocol.Message) -> list[int]:
         """Send ``message`` to every rank; return the ranks that could not be reached."""
@@ -345,6 +357,8 @@ class RankGroup:
         """SIGKILL every process of this group and reap torchrun. Idempotent, bounded."""
         self.dead = True
         self.process.kill(known_pids=[handle.pid for handle in self.ranks.values()])
+        if self._selector is not None:
+            self._selector.close()
         for handle in self.ranks.values():
             handle.channel.close()
 
@@ -403,19 +417,3 @@ def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     except OSError:
         return ""
     return "\n".join(data.decode("utf-8", errors="replace").splitlines()[-lines:])
-
-
-def _idle(sock: socket.socket) -> bool:
-    """Between tests a rank sends nothing: a readable socket means it closed (or misbehaved)."""
-    timeout = sock.gettimeout()
-    sock.setblocking(False)
-    try:
-        sock.recv(1, socket.MSG_PEEK)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    finally:
-        with contextlib.suppress(OSError):
-            sock.settimeout(timeout)
-    return False

@@ -8,6 +8,8 @@ once and identifies itself. After that the conversation is strictly lock-step:
     rank -> controller   ready(collection_errors, observes)  once, after collecting its files
     controller -> rank   run(nodeid, next_nodeid, seed)      one test
     rank -> controller   report(nodeid, report)               per phase, as soon as it exists
+                                                              (a passed one may wait for the
+                                                              next message: see below)
     rank -> controller   waiting(nodeid, wait)                when the test's main thread has
                                                               been blocked in communication
                                                               for a while, and when that ends
@@ -19,6 +21,14 @@ Reports travel in pytest's own serialisable form (``pytest_report_to_serializabl
 form pytest-xdist uses, so the controller rebuilds genuine ``TestReport`` objects. ``waiting``
 comes from a thread of the rank (:mod:`pytest_fp32keep.runner.waits`), never after the test's
 ``done``; a channel's sends are serialised so that frames of two threads never interleave.
+
+A passed phase report changes nothing the controller decides, yet each frame that arrives alone
+wakes it (and, on a busy machine, takes a CPU from the ranks). So the rank sends it corked
+(Linux ``TCP_CORK``): the kernel holds it until the rank's next message goes out uncorked (the
+next failure, a ``waiting``, ``done``), 200 ms at most, or the socket closes (the rank exits or
+dies: the kernel sends what it holds before the end of stream). A passing test then reaches the
+controller as one segment per rank, and a rank that hangs or dies after a passed phase still
+tells which phase it passed, in time for every decision (those take seconds).
 
 This module is imported by both sides; it uses the standard library only. The token a rank
 sends in ``hello`` is the launch token of :mod:`pytest_fp32keep.runner.processes`.
@@ -53,6 +63,8 @@ MISSING: Final = "missing"
 EXIT: Final = "exit"
 
 _HEADER = struct.Struct(">I")
+#: Linux's option that lets the kernel hold small writes back (None elsewhere: sent at once).
+_CORK: Final = getattr(socket, "TCP_CORK", None)
 #: A report with a long traceback and captured output stays far below this; the bound only
 #: protects the controller from a corrupt length prefix.
 MAX_FRAME_BYTES: Final = 256 * 1024 * 1024
@@ -100,20 +112,25 @@ class FrameDecoder:
 
     def feed(self, data: bytes) -> list[Message]:
         """Add ``data`` and return every message that is now complete."""
-        self._buffer += data
+        buffer = self._buffer
+        buffer += data
         messages: list[Message] = []
-        while len(self._buffer) >= _HEADER.size:
-            (length,) = _HEADER.unpack_from(self._buffer)
-            if length > MAX_FRAME_BYTES:
-                raise ProtocolError(f"frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
-            end = _HEADER.size + length
-            if len(self._buffer) < end:
-                break
-            message = json.loads(bytes(self._buffer[_HEADER.size : end]).decode("utf-8"))
-            del self._buffer[:end]
-            if not isinstance(message, dict) or "type" not in message:
-                raise ProtocolError(f"frame is not a message: {message!r:.200}")
-            messages.append(message)
+        start, size = 0, len(buffer)
+        try:
+            while size - start >= _HEADER.size:
+                (length,) = _HEADER.unpack_from(buffer, start)
+                if length > MAX_FRAME_BYTES:
+                    raise ProtocolError(f"frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
+                end = start + _HEADER.size + length
+                if size < end:
+                    break
+                message = json.loads(buffer[start + _HEADER.size : end].decode("utf-8"))
+                start = end
+                if not isinstance(message, dict) or "type" not in message:
+                    raise ProtocolError(f"frame is not a message: {message!r:.200}")
+                messages.append(message)
+        finally:
+            del buffer[:start]  # once per read, not once per frame
         return messages
 
 
@@ -127,6 +144,7 @@ class Channel:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         self._send_lock = threading.Lock()
+        self._corked = False  # a coalesced message is held back by the kernel
         self._decoder = FrameDecoder()
         self._pending: list[Message] = []
 
@@ -134,11 +152,29 @@ class Channel:
         """The socket's descriptor, so a channel can be registered with ``selectors``."""
         return self.sock.fileno()
 
-    def send(self, message: Message) -> None:
-        """Send one message (blocking, bounded by the socket's timeout; thread-safe)."""
+    def send(self, message: Message, *, coalesce: bool = False) -> None:
+        """Send one message (blocking, bounded by the socket's timeout; thread-safe).
+
+        ``coalesce``: the kernel may hold it back until the next message sent without
+        ``coalesce`` (200 ms at most, or until the socket closes), so that both reach the peer
+        in one segment and wake it once (see the module docstring).
+        """
         frame = encode(message)
         with self._send_lock:
+            if coalesce and not self._corked:
+                self._cork(True)
             self.sock.sendall(frame)
+            if not coalesce and self._corked:
+                self._cork(False)  # sends what was held and this frame, together
+
+    def _cork(self, on: bool) -> None:
+        if _CORK is None:
+            return
+        try:
+            self.sock.setsockopt(socket.IPPROTO_TCP, _CORK, int(on))
+        except OSError:
+            on = False  # not a TCP socket (a test's socketpair): every frame goes at once
+        self._corked = on
 
     def receive(self) -> Message:
         """Block until one message arrives (rank side: the controller paces the ranks)."""

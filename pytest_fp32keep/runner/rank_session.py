@@ -119,14 +119,17 @@ class RankSessionPlugin:
         """Send every phase report of the current test as soon as pytest makes it.
 
         Streaming (rather than one answer at the end) lets the controller see a failure
-        while the other ranks may still be stuck, and know in which phase a rank hangs.
+        while the other ranks may still be stuck, and know in which phase a rank hangs. A
+        passed report is coalesced with the next message (:mod:`.protocol`): the controller
+        acts only on failures and ``done``, so a passing test wakes it once, not four times.
         """
         if self._current is None or report.nodeid != self._current:
             return
         assert self._config is not None
         spill_report(report, self._spill_dir)
         data = self._config.hook.pytest_report_to_serializable(config=self._config, report=report)
-        self._channel.send(protocol.report(self._current, data))
+        message = protocol.report(self._current, data)
+        self._channel.send(message, coalesce=report.passed)
 
     def _run(self, session: pytest.Session, items: dict[str, pytest.Item], message: Any) -> None:
         nodeid: str = message["nodeid"]
@@ -305,6 +308,10 @@ def _watch_controller(sock: socket.socket) -> None:
                 if not sock.recv(1, socket.MSG_PEEK):
                     os._exit(EXIT_CONTROLLER_GONE)
                 time.sleep(WATCHDOG_POLL_S)  # a request waits for the main thread
+            except (ConnectionResetError, BrokenPipeError):
+                # Gone too: a controller that dies with a report of ours unread in its socket
+                # resets the connection instead of closing it.
+                os._exit(EXIT_CONTROLLER_GONE)
             except (OSError, ValueError):
                 return  # the main thread closed the socket: normal shutdown
 

@@ -24,17 +24,23 @@ KEPT_CHARS: Final = 20_000
 
 def spill_report(report: pytest.TestReport, folder: Path) -> None:
     """Shorten long sections and the traceback of ``report`` in place; each goes whole to a file."""
-    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", report.nodeid)[-120:] + f"-{report.when}"
-    sections = []
-    for index, (title, content) in enumerate(report.sections):
-        if len(content) > MAX_CHARS:
-            content = _spilled(content, folder / f"{stem}-section{index}.txt")
-        sections.append((title, content))
-    report.sections = sections
+    if any(len(content) > MAX_CHARS for _, content in report.sections):
+        stem = _stem(report)
+        report.sections = [
+            (title, _spilled(content, folder / f"{stem}-section{index}.txt"))
+            if len(content) > MAX_CHARS
+            else (title, content)
+            for index, (title, content) in enumerate(report.sections)
+        ]
     if report.longrepr is not None:
         text = report.longreprtext
         if len(text) > MAX_CHARS:
-            report.longrepr = _spilled(text, folder / f"{stem}-traceback.txt")
+            report.longrepr = _spilled(text, folder / f"{_stem(report)}-traceback.txt")
+
+
+def _stem(report: pytest.TestReport) -> str:
+    """The start of a spilled file's name: the test and the phase, safe for any file system."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", report.nodeid)[-120:] + f"-{report.when}"
 
 
 def _spilled(text: str, path: Path) -> str:
