@@ -27,6 +27,7 @@ from pytest_fp32keep.check.families.discovery import (
     models_dir,
 )
 from pytest_fp32keep.check.families.overrides import OVERRIDES, SAME_LAYOUT_AS
+from pytest_fp32keep.check.families.refusals import REFUSALS, WRITTEN_IN
 from pytest_fp32keep.check.families.shrink import tiny_config
 from pytest_fp32keep.check.zoo import ZOO, ZooEntry
 from pytest_fp32keep.check.zoo.building import build_seeded, seed_query_tokens
@@ -178,25 +179,27 @@ def family_entry(family: str) -> ZooEntry:
 
     ``dtypes`` are those at which the built model's plan keeps a tensor. ``expect_layout_error``
     and ``expectations`` are the curated zoo's word (:func:`curated_entry`: a layout FSDP2
-    cannot hold, such as Rwkv's ``time_decay`` beside its projections); otherwise none, so a
-    refusal is reported as one, for the reader to judge.
+    cannot hold, such as Rwkv's ``time_decay`` beside its projections), else the family's
+    written refusals (:data:`.refusals.REFUSALS`); otherwise none, so a refusal fails the check.
     """
     picked = family_pick(family)
     cls = _model_class(family)
     curated = curated_entry(family)
     name = cls.__name__
     passed = f" ({'; '.join(picked.passed_over)})" if picked.passed_over else ""
+    expectations = curated.expectations if curated is not None else REFUSALS.get(family, ())
     return ZooEntry(
         name=family,
         model_class=name,  # the zoo's availability check is not used: probe() is
         build=partial(build_family_model, family),
         make_batch=family_batch,
         dtypes=tuple(dtype for dtype in LOW_PRECISION if picked.kept[dtype]),
-        expect_layout_error=curated is not None and curated.expect_layout_error,
-        expectations=curated.expectations if curated is not None else (),
+        expect_layout_error=any(row.refusal is not None for row in expectations),
+        expectations=expectations,
         notes=f"{name} from its default config, shrunk automatically"
         + (" (with overrides)" if family in OVERRIDES else "")
         + passed,
+        written_in=curated.written_in if curated is not None else WRITTEN_IN,
     )
 
 
