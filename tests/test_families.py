@@ -40,34 +40,11 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 #: Families whose tiny model does not build where the installed Transformers has them, and why
-#: (docs/families.md, "not buildable"). Written here, not found by the test: any other build error
-#: fails its case; one of these raises the written error or fails (strict xfail).
-def _config_validation_error() -> type[Exception]:
-    """What a Transformers config's class validator raises: huggingface_hub's strict-dataclass
-    error around the validator's ``ValueError`` (5.24+); a hub without strict dataclasses has
-    no family that raises it, so ``ValueError`` stands in there."""
-    try:
-        from huggingface_hub.errors import StrictDataclassClassValidationError
-    except ImportError:  # pragma: no cover - only hubs older than every release that needs it
-        return ValueError
-    return StrictDataclassClassValidationError
-
-
-NOT_BUILDABLE: Mapping[str, tuple[type[Exception], str]] = MappingProxyType(
-    {
-        "esmfold2": (
-            _config_validation_error(),
-            "its validator rejects the shrunk config (the 3D rotary embedding needs 16 frequency "
-            "pairs, more than the shrunk widths have; and single_inputs_size is tied to its other "
-            "widths): it needs a builder of its own",
-        ),
-        "fun_asr_nano": (
-            _config_validation_error(),
-            "its validator ties adaptor_config.intermediate_size to text_config.hidden_size // 4, "
-            "which the generic shrink does not keep: it needs an override",
-        ),
-    }
-)
+#: (docs/families.md, "not buildable"): ``family -> (error, reason)``. Written here, not found by
+#: the test: any other build error fails its case; one of these raises the written error or
+#: fails (strict xfail). None today: esmfold2 and fun_asr_nano, whose 5.24+ config validators
+#: rejected the shrunk config, build with their overrides (tests/test_family_builds.py).
+NOT_BUILDABLE: Mapping[str, tuple[type[Exception], str]] = MappingProxyType({})
 
 
 def _oracle_cases(config: pytest.Config) -> list[Any]:

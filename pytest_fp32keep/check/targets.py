@@ -187,7 +187,8 @@ def _check_families(names: list[str]) -> None:
 
 
 def family_availability(names: list[str]) -> tuple[list[str], Mapping[str, str]]:
-    """Which of the families ``names`` build here, and ``not buildable (reason)`` for the rest.
+    """Which of the families ``names`` build here, and ``not buildable (reason)`` (or ``not
+    runnable (reason)``: a random forward) for the rest.
 
     Each is built, fed its batch and run forward and backward once, unsharded
     (:func:`~pytest_fp32keep.check.families.probe`); an unknown name is a :class:`TargetError`.
@@ -197,11 +198,11 @@ def family_availability(names: list[str]) -> tuple[list[str], Mapping[str, str]]
     _check_families(names)
     buildable, unavailable = [], {}
     for name in names:
-        reason = probe(name).reason
-        if reason is None:
+        probed = probe(name)
+        if probed.reason is None:
             buildable.append(name)
         else:
-            unavailable[family_spec(name)] = f"not buildable ({reason})"
+            unavailable[family_spec(name)] = f"{probed.kind} ({probed.reason})"
     return buildable, unavailable
 
 

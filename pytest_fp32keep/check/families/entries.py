@@ -5,7 +5,8 @@
 offline, on CPU, in FP32, from the zoo's seed. :func:`probe` is the "does it build" question the
 command asks before any rank starts: it builds the model, makes its batch and runs one forward
 and backward, unsharded, in FP32; whatever raises makes the family *not buildable*, with the
-stage and the error as the reason, so one family never crashes a whole run.
+stage and the error as the reason, so one family never crashes a whole run. A family whose
+forward is random by design (:data:`.overrides.STOCHASTIC`) is *not runnable*, with why.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pytest_fp32keep.check.families.discovery import (
     is_candidate,
     models_dir,
 )
-from pytest_fp32keep.check.families.overrides import OVERRIDES, SAME_LAYOUT_AS
+from pytest_fp32keep.check.families.overrides import OVERRIDES, SAME_LAYOUT_AS, STOCHASTIC
 from pytest_fp32keep.check.families.refusals import REFUSALS, WRITTEN_IN
 from pytest_fp32keep.check.families.shrink import tiny_config
 from pytest_fp32keep.check.zoo import ZOO, ZooEntry
@@ -42,10 +43,12 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 class Probe(NamedTuple):
-    """Whether a family builds: its entry (``None`` when it does not) or the reason."""
+    """Whether a family builds: its entry (``None`` when it is not checked) or the reason, and
+    what kind of reason (``not buildable``, or ``not runnable``: :data:`.overrides.STOCHASTIC`)."""
 
     entry: ZooEntry | None
     reason: str | None
+    kind: str = "not buildable"
 
 
 class Pick(NamedTuple):
@@ -228,4 +231,6 @@ def probe(family: str) -> Probe:
         loss.backward()
     except Exception as error:  # any failure of one family is that family's row
         return Probe(None, _reason(stage, error))
+    if family in STOCHASTIC:  # it runs, but no two runs agree: nothing to compare
+        return Probe(None, f"random forward: {STOCHASTIC[family]}", "not runnable")
     return Probe(entry, None)

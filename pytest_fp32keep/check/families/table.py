@@ -8,7 +8,8 @@ Transformers version; its version is read from the report). A cell is ``pass`` (
 tensors are kept), ``refused (reason)`` (``apply_fsdp2`` raised ``KeepLayoutError``: its reason
 tags, the refused tensors, and where that refusal is written as expected, or that none is; the
 "Refusals" section says why), ``not buildable (reason)``, ``not runnable (reason)`` (the
-unsharded reference itself crashed, see :func:`reference_crash`), or ``FAIL (row)`` (the failing
+unsharded reference itself crashed, see :func:`reference_crash`, or the family's forward is random
+by design: :data:`.overrides.STOCHASTIC`), or ``FAIL (row)`` (the failing
 checks, the error's last line, or how a refusal differs from the written one); ``-`` where that
 version has no such family. A version of ``--versions`` without a report is ``not yet run``:
 nothing is invented.
