@@ -436,7 +436,8 @@ def test_table_says_what_each_family_did_and_what_was_not_run() -> None:
     )
     text = table.render([report], ["4.56", "5.10", "latest"])
     assert "| a | not yet run | not yet run | pass (2 kept) | pass (nothing kept) |" in text
-    assert "| b | not yet run | not yet run | refused (root-owned: x) | FAIL (parity) |" in text
+    refused = "refused (root-owned: x; no refusal written)"  # expected by nothing: counted refused
+    assert f"| b | not yet run | not yet run | {refused} | FAIL (parity) |" in text
     assert "not buildable (build: ValueError: no)" in text
     assert "- 4.56: not yet run" in text and "- latest: not yet run" in text
     assert "| 5.10 | fp16 | 1 | 0 | 1 | 0 | 1 |" in text  # pass, refused, n. buildable, n. runnable
