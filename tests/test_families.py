@@ -46,6 +46,17 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 #: rejected the shrunk config, build with their overrides (tests/test_family_builds.py).
 NOT_BUILDABLE: Mapping[str, tuple[type[Exception], str]] = MappingProxyType({})
 
+#: Families whose plan differs from what ``from_pretrained`` keeps, found by the oracle and
+#: written with why: their cases must fail with the oracle's ``AssertionError`` (strict xfail,
+#: so a fix shows); docs/families.md counts them as differing.
+KNOWN_DIFFERENCES: Mapping[str, str] = MappingProxyType(
+    {
+        "esmfold2": "from_pretrained leaves parcae.log_delta FP32: EsmFold2Parcae builds it as "
+        "nn.Parameter(torch.empty(..., dtype=torch.float32)), in no keep list, and "
+        "resolve_keep_plan does not keep it (5.24.0: a gap of the plan, for fp32keep to close)",
+    }
+)
+
 
 def _oracle_cases(config: pytest.Config) -> list[Any]:
     """The oracle's families: the slice, and with ``--slow`` every family (slow-marked).
@@ -60,6 +71,9 @@ def _oracle_cases(config: pytest.Config) -> list[Any]:
         if family in NOT_BUILDABLE:
             error, reason = NOT_BUILDABLE[family]
             marks.append(pytest.mark.xfail(raises=error, reason=f"not buildable: {reason}"))
+        if family in KNOWN_DIFFERENCES:
+            why = KNOWN_DIFFERENCES[family]
+            marks.append(pytest.mark.xfail(raises=AssertionError, strict=True, reason=why))
         cases.append(pytest.param(family, marks=marks, id=family))
     return cases
 
@@ -145,14 +159,16 @@ def test_a_wrong_family_plan_fails_the_oracle(tmp_path: Path) -> None:
 
 def test_oracle_counts_read_from_junit(tmp_path: Path) -> None:
     """``table.read_oracle`` counts only oracle cases: equal, differing (an ``AssertionError``:
-    the verdict), not compared (any other failure, or an error), skipped; the page's section
-    names every differing and uncompared case and says which label was not run."""
+    the verdict, or a written difference's expected failure), not compared (any other failure,
+    or an error), skipped; the page's section names every differing and uncompared case and
+    says which label was not run."""
     cases = [
         ("t5", "float16", ""),
         ("t5", "bfloat16", '<failure message="AssertionError: t5 at bfloat16 ..."/>'),
         ("blip_2", "float16", '<failure message="RuntimeError: no safetensors"/>'),
         ("blip_2", "bfloat16", '<error message="fixture tmp_path failed"/>'),
         ("udop", "float16", '<skipped message="not buildable"/>'),
+        ("esmfold2", "float16", '<skipped type="pytest.xfail" message="log_delta"/>'),
     ]
     body = "".join(
         f'<testcase name="{table.ORACLE_TEST}[{f}-{d}]">{extra}</testcase>' for f, d, extra in cases
@@ -169,15 +185,15 @@ def test_oracle_counts_read_from_junit(tmp_path: Path) -> None:
     assert run.transformers == "5.10.4"
     assert (run.equal, run.differing, run.errors, run.skipped) == (
         ("t5-float16",),
-        ("t5-bfloat16",),
+        ("t5-bfloat16", "esmfold2-float16 (written)"),  # a KNOWN_DIFFERENCES xfail differs
         ("blip_2-float16", "blip_2-bfloat16"),
         ("udop-float16",),
     )
-    assert run.compared == 2
+    assert run.compared == 3
     text = table.render([], ["4.56", "5.10", "latest"], [run])
     assert "- 4.56: not yet run" in text
-    assert "- 5.10: transformers 5.10.4: 2 family x dtype cases compared" in text
-    assert "1 equal, 1 differing (t5-bfloat16), 2 not compared" in text
+    assert "- 5.10: transformers 5.10.4: 3 family x dtype cases compared" in text
+    assert "1 equal, 2 differing (t5-bfloat16, esmfold2-float16 (written)), 2 not compared" in text
     assert "(blip_2-float16, blip_2-bfloat16), 1 skipped (not buildable)" in text
     assert "## Plan oracle" not in table.render([], ["5.10"])
 
