@@ -160,10 +160,7 @@ def _run_case(
             measure_spread=measure_spread,
         )
     except KeepLayoutError as error:
-        case["outcome"] = "refused"
-        case["message"] = str(error)
-        case["refused"] = list(error.fqns)
-        case["ok"] = case["expect_layout_error"]
+        judge_refusal(case, target, DTYPES[dtype_name], error)
         return case
     except ContractViolation as violation:
         report = violation.report
@@ -183,6 +180,27 @@ def _run_case(
     if case["expect_layout_error"]:
         case["message"] = "expected apply_fsdp2 to refuse this layout with KeepLayoutError"
     return case
+
+
+def judge_refusal(
+    case: dict[str, Any], target: Target, dtype: torch.dtype, error: KeepLayoutError
+) -> None:
+    """Record ``apply_fsdp2``'s refusal in ``case``: it passes only where a refusal is expected
+    (``case["expect_layout_error"]``) and it is the one written (reason tags and refused
+    tensors, :meth:`Target.refusal_mismatch`); any other is the case's failure, and says how it
+    differs from what is written, and where."""
+    case["outcome"] = "refused"
+    case["message"] = str(error)
+    case["refused"] = list(error.fqns)
+    case["ok"] = case["expect_layout_error"]
+    if not case["expect_layout_error"]:
+        return
+    case["written"] = target.written_refusal(dtype)
+    mismatch = target.refusal_mismatch(dtype, error)
+    if mismatch is not None:
+        case["ok"] = False
+        case["refusal_mismatch"] = mismatch
+        case["message"] = f"{error}\n{mismatch}"  # last: the report keeps a message's end
 
 
 def _gather_case(case: dict[str, Any]) -> dict[str, Any] | None:

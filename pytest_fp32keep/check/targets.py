@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from fp32keep import KeepLayoutError
     from pytest_fp32keep.check.zoo import ZooEntry
 
 
@@ -42,6 +43,9 @@ class Target:
             model. ``None`` where there is no such source (a user's ``module:factory``, a
             family without a zoo entry of its class): then a refusal is expected under every
             dtype if ``expect_layout_error``, else under none (:meth:`refusal_expected`).
+        written: the zoo or family entry whose expectations are the source of
+            ``refused_under``; an expected refusal passes only if it is the one written there
+            (:meth:`refusal_mismatch`). ``None`` for a user's ``module:factory``.
     """
 
     name: str
@@ -49,6 +53,7 @@ class Target:
     make_batch: Callable[[nn.Module], Any]
     expect_layout_error: bool = False
     refused_under: frozenset[torch.dtype] | None = None
+    written: ZooEntry | None = None
 
     def refusal_expected(self, dtype: torch.dtype) -> bool:
         """Whether the check passes only if ``apply_fsdp2`` refuses this model under ``dtype``;
@@ -56,6 +61,21 @@ class Target:
         if self.refused_under is None:
             return self.expect_layout_error
         return dtype in self.refused_under
+
+    def refusal_mismatch(self, dtype: torch.dtype, error: KeepLayoutError) -> str | None:
+        """How the expected refusal ``error`` differs from the written one (its reason tags,
+        the tensors it names), or ``None`` where it is that one or nothing more is written."""
+        if self.written is None:
+            return None
+        return self.written.refusal_mismatch(dtype, error)
+
+    def written_refusal(self, dtype: torch.dtype) -> dict[str, str]:
+        """Where the refusal expected under ``dtype`` is written and its one-line why (for the
+        report; empty without a written entry)."""
+        if self.written is None:
+            return {}
+        row = self.written.expectation(dtype)
+        return {"written_in": self.written.written_in, "why": row.why if row is not None else ""}
 
 
 def _language_model_batch(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -141,6 +161,7 @@ def zoo_targets(names: list[str] | None = None) -> tuple[list[Target], Mapping[s
             partial(_zoo_batch, entry),
             entry.expect_layout_error,
             entry.refused_under(),
+            entry,
         )
         for entry in availability.available.values()
     ]
@@ -166,7 +187,8 @@ def _check_families(names: list[str]) -> None:
 
 
 def family_availability(names: list[str]) -> tuple[list[str], Mapping[str, str]]:
-    """Which of the families ``names`` build here, and ``not buildable (reason)`` for the rest.
+    """Which of the families ``names`` build here, and ``not buildable (reason)`` (or ``not
+    runnable (reason)``: a random forward) for the rest.
 
     Each is built, fed its batch and run forward and backward once, unsharded
     (:func:`~pytest_fp32keep.check.families.probe`); an unknown name is a :class:`TargetError`.
@@ -176,11 +198,11 @@ def family_availability(names: list[str]) -> tuple[list[str], Mapping[str, str]]
     _check_families(names)
     buildable, unavailable = [], {}
     for name in names:
-        reason = probe(name).reason
-        if reason is None:
+        probed = probe(name)
+        if probed.reason is None:
             buildable.append(name)
         else:
-            unavailable[family_spec(name)] = f"not buildable ({reason})"
+            unavailable[family_spec(name)] = f"{probed.kind} ({probed.reason})"
     return buildable, unavailable
 
 
@@ -191,7 +213,7 @@ def family_targets(names: list[str]) -> list[Target]:
     _check_families(names)
     targets = []
     for name in names:
-        # the curated zoo's written refusals where the family has them (curated_entry)
+        # the curated zoo's written refusals, or the family's own (family_entry)
         entry = family_entry(name)
         targets.append(
             Target(
@@ -200,6 +222,7 @@ def family_targets(names: list[str]) -> list[Target]:
                 partial(_zoo_batch, entry),
                 entry.expect_layout_error,
                 entry.refused_under(),
+                entry,
             )
         )
     return targets

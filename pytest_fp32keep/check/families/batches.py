@@ -7,7 +7,8 @@ vision tower and Q-Former get gradients); ``is_encoder_decoder`` is seq2seq; any
 text (``input_ids`` and ``labels``). Text ids avoid the special and placeholder ids that
 :mod:`.shrink` moved to the ends of the vocabulary. Audio beyond Whisper-style mel clips
 (time-major mels, speech encoders with a CTC head, text-to-speech latents) is :mod:`.audio`'s,
-read from the model's forward and layers.
+read from the model's forward and layers. A forward that takes a bundle of atoms
+(``atom_inputs``: ESMFold2) gets a protein's tokens and atoms (:mod:`.structure`).
 
 Floating inputs come the way a real caller gives them: the features a feature extractor or image
 processor makes (``input_features``, ``pixel_values``) are in the model's dtype
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pytest_fp32keep.check.families import audio, vision
+from pytest_fp32keep.check.families import audio, structure, vision
 from pytest_fp32keep.check.families.readings import (
     embedding_count,
     forward_parameters,
@@ -84,7 +85,7 @@ def _features_in_model_dtype(model: nn.Module, batch: dict[str, Any]) -> dict[st
     }
 
 
-def family_batch(model: nn.Module, seed: int | torch.Generator) -> dict[str, torch.Tensor]:
+def family_batch(model: nn.Module, seed: int | torch.Generator) -> dict[str, Any]:
     """One forward's keyword arguments for ``model`` (a tiny family model), with ``labels``."""
     config: Any = getattr(model, "config", None)
     kind = batch_kind(config)
@@ -104,6 +105,8 @@ def family_batch(model: nn.Module, seed: int | torch.Generator) -> dict[str, tor
     if kind == "audio":
         return _audio_batch(model, config, _generator(seed))
     generator = _generator(seed)
+    if structure.atom_inputs_class(model) is not None:  # a protein's tokens and atoms (ESMFold2)
+        return structure.structure_batch(model, config, generator)
     if kind == "vision-grid":
         images, embeddings = vision.grid_images(model, config, generator)
         return vision.placeholder_batch(model, config, images, generator, embeddings)

@@ -5,7 +5,8 @@
 offline, on CPU, in FP32, from the zoo's seed. :func:`probe` is the "does it build" question the
 command asks before any rank starts: it builds the model, makes its batch and runs one forward
 and backward, unsharded, in FP32; whatever raises makes the family *not buildable*, with the
-stage and the error as the reason, so one family never crashes a whole run.
+stage and the error as the reason, so one family never crashes a whole run. A family whose
+forward is random by design (:data:`.overrides.STOCHASTIC`) is *not runnable*, with why.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from pytest_fp32keep.check.families.discovery import (
     is_candidate,
     models_dir,
 )
-from pytest_fp32keep.check.families.overrides import OVERRIDES, SAME_LAYOUT_AS
+from pytest_fp32keep.check.families.overrides import OVERRIDES, SAME_LAYOUT_AS, STOCHASTIC
+from pytest_fp32keep.check.families.refusals import REFUSALS, WRITTEN_IN
 from pytest_fp32keep.check.families.shrink import tiny_config
 from pytest_fp32keep.check.zoo import ZOO, ZooEntry
 from pytest_fp32keep.check.zoo.building import build_seeded, seed_query_tokens
@@ -41,10 +43,12 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 class Probe(NamedTuple):
-    """Whether a family builds: its entry (``None`` when it does not) or the reason."""
+    """Whether a family builds: its entry (``None`` when it is not checked) or the reason, and
+    what kind of reason (``not buildable``, or ``not runnable``: :data:`.overrides.STOCHASTIC`)."""
 
     entry: ZooEntry | None
     reason: str | None
+    kind: str = "not buildable"
 
 
 class Pick(NamedTuple):
@@ -178,25 +182,27 @@ def family_entry(family: str) -> ZooEntry:
 
     ``dtypes`` are those at which the built model's plan keeps a tensor. ``expect_layout_error``
     and ``expectations`` are the curated zoo's word (:func:`curated_entry`: a layout FSDP2
-    cannot hold, such as Rwkv's ``time_decay`` beside its projections); otherwise none, so a
-    refusal is reported as one, for the reader to judge.
+    cannot hold, such as Rwkv's ``time_decay`` beside its projections), else the family's
+    written refusals (:data:`.refusals.REFUSALS`); otherwise none, so a refusal fails the check.
     """
     picked = family_pick(family)
     cls = _model_class(family)
     curated = curated_entry(family)
     name = cls.__name__
     passed = f" ({'; '.join(picked.passed_over)})" if picked.passed_over else ""
+    expectations = curated.expectations if curated is not None else REFUSALS.get(family, ())
     return ZooEntry(
         name=family,
         model_class=name,  # the zoo's availability check is not used: probe() is
         build=partial(build_family_model, family),
         make_batch=family_batch,
         dtypes=tuple(dtype for dtype in LOW_PRECISION if picked.kept[dtype]),
-        expect_layout_error=curated is not None and curated.expect_layout_error,
-        expectations=curated.expectations if curated is not None else (),
+        expect_layout_error=any(row.refusal is not None for row in expectations),
+        expectations=expectations,
         notes=f"{name} from its default config, shrunk automatically"
         + (" (with overrides)" if family in OVERRIDES else "")
         + passed,
+        written_in=curated.written_in if curated is not None else WRITTEN_IN,
     )
 
 
@@ -225,4 +231,6 @@ def probe(family: str) -> Probe:
         loss.backward()
     except Exception as error:  # any failure of one family is that family's row
         return Probe(None, _reason(stage, error))
+    if family in STOCHASTIC:  # it runs, but no two runs agree: nothing to compare
+        return Probe(None, f"random forward: {STOCHASTIC[family]}", "not runnable")
     return Probe(entry, None)

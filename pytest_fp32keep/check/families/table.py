@@ -6,10 +6,13 @@
 Each REPORT is the ``--report-json`` of one ``fp32keep check --all-families`` run (one
 Transformers version; its version is read from the report). A cell is ``pass`` (with how many
 tensors are kept), ``refused (reason)`` (``apply_fsdp2`` raised ``KeepLayoutError``: its reason
-tags and the refused tensors), ``not buildable (reason)``, ``not runnable (reason)`` (the
-unsharded reference itself crashed, see :func:`reference_crash`), or ``FAIL (row)`` (the failing
-checks, or the error's last line); ``-`` where that version has no such family. A version of
-``--versions`` without a report is ``not yet run``: nothing is invented.
+tags, the refused tensors, and where that refusal is written as expected, or that none is; the
+"Refusals" section says why), ``not buildable (reason)``, ``not runnable (reason)`` (the
+unsharded reference itself crashed, see :func:`reference_crash`, or the family's forward is random
+by design: :data:`.overrides.STOCHASTIC`), or ``FAIL (row)`` (the failing
+checks, the error's last line, or how a refusal differs from the written one); ``-`` where that
+version has no such family. A version of ``--versions`` without a report is ``not yet run``:
+nothing is invented.
 
 Each ``--oracle`` is the JUnit XML of one run of the plan oracle (``tests/test_families.py``
 with ``--slow``) under one Transformers version, which the run records as the
@@ -49,9 +52,13 @@ def case_cell(case: dict[str, Any]) -> str:
         tags = sorted(set(re.findall(r"\[([a-z][a-z-]*)\]", str(case.get("message", "")))))
         fqns = list(case.get("refused", []))
         more = f" +{len(fqns) - 2} more" if len(fqns) > 2 else ""
-        expected = ", expected by the zoo" if case.get("expect_layout_error") else ""
-        what = ", ".join(fqns[:2]) + more
-        return f"refused ({'/'.join(tags) or 'KeepLayoutError'}: {_short(what)}{expected})"
+        what = f"{'/'.join(tags) or 'KeepLayoutError'}: {_short(', '.join(fqns[:2]) + more)}"
+        if case.get("refusal_mismatch"):
+            return f"FAIL (refused, {_short(str(case['refusal_mismatch']))})"
+        if not case.get("expect_layout_error"):
+            return f"refused ({what}; no refusal written)"
+        written = case.get("written", {}).get("written_in") or "the zoo"  # older reports
+        return f"refused ({what}; as written in {written})"
     if outcome == "pass" and not case.get("expect_layout_error"):
         kept = len(case.get("kept", []))
         return f"pass ({kept} kept)" if kept else "pass (nothing kept)"
@@ -65,6 +72,59 @@ def case_cell(case: dict[str, Any]) -> str:
         return f"FAIL ({', '.join(failed) or 'contract'})"
     lines = [line for line in str(case.get("message", "")).strip().splitlines() if line.strip()]
     return f"FAIL ({_short(lines[-1] if lines else 'error')})"
+
+
+def first_problem(message: str) -> str:
+    """The first problem line of a ``KeepLayoutError`` message (the tensor, its reason tag, its
+    module and class, what the module owns beside it), without the generic ``Fix:`` advice."""
+    line = next(
+        (line for line in message.splitlines() if re.match(r"\s+\S+\s+\[[a-z-]+\] ", line)),
+        message.strip().splitlines()[0] if message.strip() else "",
+    )
+    return re.sub(r"\s+", " ", line.split(" Fix:")[0]).strip()
+
+
+def _refusal_lines(by_label: dict[str, dict[str, Any]], labels: Sequence[str]) -> list[str]:
+    """The "Refusals" section: per refused family, where (version, dtype), the first problem
+    of the refusal and where its expectation is written, with why (or that none is)."""
+    found: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    for label in labels:
+        for case in by_label.get(label, {}).get("cases", []):
+            target = str(case["target"])
+            if (
+                target.startswith(FAMILY_PREFIX)
+                and case["context"] == "autocast"
+                and case["outcome"] == "refused"
+            ):
+                found.setdefault(target.removeprefix(FAMILY_PREFIX), []).append((label, case))
+    if not found:
+        return []
+    lines = [
+        "",
+        "## Refusals",
+        "",
+        "Each refused family: where (version dtype), the first problem `apply_fsdp2` names (the",
+        "tensor, its module and class, the module's own parameters the plan does not keep: FSDP2",
+        "puts a module's own parameters in one unit of one dtype), and where the refusal is",
+        "written as expected, with why, from the modeling code. Only that refusal passes: another",
+        "reason, or other tensors, fail the check.",
+        "",
+    ]
+    for family in sorted(found):
+        cases = found[family]
+        where = ", ".join(f"{label} {case['dtype']}" for label, case in cases)
+        label, case = cases[-1]  # the latest version's words
+        lines.append(f"- {family} ({where}): `{first_problem(str(case.get('message', '')))}`")
+        written = case.get("written") or {}
+        if case.get("refusal_mismatch"):
+            lines.append(f"  FAIL at {label} {case['dtype']}: {case['refusal_mismatch']}")
+        elif case.get("expect_layout_error") and written:
+            lines.append(f"  Written in {written.get('written_in')}: {written.get('why') or '-'}")
+        elif case.get("expect_layout_error"):
+            lines.append("  Expected by the zoo.")
+        else:
+            lines.append("  No refusal is written: the check fails.")
+    return lines
 
 
 def reference_crash(case: dict[str, Any]) -> str | None:
@@ -154,8 +214,9 @@ def read_oracle(path: Path) -> OracleRun:
 
     A case is named by its parametrize id, ``FAMILY-DTYPE``. It differs when it failed on an
     ``AssertionError`` (the oracle's verdict), is an error when it failed on anything else
-    (``save_pretrained`` / ``from_pretrained`` raised) or errored in a fixture, is skipped when
-    it has ``<skipped>``, and is equal otherwise.
+    (``save_pretrained`` / ``from_pretrained`` raised) or errored in a fixture, differs as well
+    when it is an expected failure (``<skipped type="pytest.xfail">``: a difference written in
+    ``KNOWN_DIFFERENCES``), is skipped when it has another ``<skipped>``, and is equal otherwise.
     """
     root = ElementTree.parse(path).getroot()
     version = next(
@@ -177,8 +238,10 @@ def read_oracle(path: Path) -> OracleRun:
             found["differing" if verdict else "errors"].append(name)
         elif case.find("error") is not None:
             found["errors"].append(name)
-        elif case.find("skipped") is not None:
-            found["skipped"].append(name)
+        elif (skipped := case.find("skipped")) is not None:
+            # a written difference (strict xfail of tests/test_families.py) still differs
+            known = skipped.get("type") == "pytest.xfail"
+            found["differing" if known else "skipped"].append(name + " (written)" * known)
         else:
             found["equal"].append(name)
     return OracleRun(version, *(tuple(found[key]) for key in OracleRun._fields[1:]))
@@ -263,6 +326,7 @@ def render(
             else:
                 row.append(cells[label].get((family, dtype), "-"))
         lines.append(f"| {family} | " + " | ".join(row) + " |")
+    lines += _refusal_lines(by_label, labels)
     if oracles:
         lines += _oracle_lines(oracles, labels)
     return "\n".join(lines) + "\n"

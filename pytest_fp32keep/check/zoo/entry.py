@@ -13,10 +13,13 @@ import importlib
 import importlib.metadata
 import re
 from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from fp32keep import KeepLayoutError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,12 +39,20 @@ class KeepExpectation:
             names were not verified against a wheel of these releases (only ``refusal`` is).
         refusal: the ``KeepLayoutError`` reason tag ``apply_fsdp2`` must refuse the layout
             with under ``dtypes`` (``"root-owned"``, ``"mixed-unit"``), or ``None``: no refusal.
+        refused: regular expressions (``re.fullmatch``) of the tensors the refusal names: each
+            refused FQN matches one and each matches a refused FQN. ``None``: those of ``kept``
+            (every kept tensor is refused, Rwkv's ``time_decay``); unchecked when both are
+            ``None`` (the refusal's tag still is).
+        why: for a refusal, one line from the modeling code: the module class that owns the
+            kept parameters and the non-kept ones beside them, read in the same forward.
     """
 
     versions: str
     dtypes: tuple[torch.dtype, ...]
     kept: tuple[str, ...] | None
     refusal: str | None = None
+    refused: tuple[str, ...] | None = None
+    why: str = ""
 
     def covers(self, version: str) -> bool:
         """Whether the Transformers release ``version`` is one of this row's."""
@@ -52,6 +63,27 @@ class KeepExpectation:
     def matches(self, fqn: str) -> bool:
         """Whether ``fqn`` is one of the names this row says are kept."""
         return any(re.fullmatch(pattern, fqn) for pattern in self.kept or ())
+
+    def refusal_mismatch(self, tags: frozenset[str], fqns: tuple[str, ...]) -> str | None:
+        """How a ``KeepLayoutError`` with reason ``tags`` naming ``fqns`` differs from this row's
+        refusal (:attr:`refusal`, :attr:`refused`), or ``None`` where it is the one written."""
+        if self.refusal is None:
+            return "no refusal is written for this dtype"
+        if tags != {self.refusal}:
+            return f"written [{self.refusal}], refused [{', '.join(sorted(tags))}]"
+        patterns = self.refused if self.refused is not None else self.kept
+        if patterns is None:
+            return None
+        unwritten = [fqn for fqn in fqns if not any(re.fullmatch(p, fqn) for p in patterns)]
+        unmatched = [p for p in patterns if not any(re.fullmatch(p, fqn) for fqn in fqns)]
+        if not unwritten and not unmatched:
+            return None
+        parts = []
+        if unwritten:
+            parts.append(f"refused {', '.join(unwritten)}, which no written pattern matches")
+        if unmatched:
+            parts.append(f"written pattern(s) {', '.join(unmatched)} match no refused tensor")
+        return "; ".join(parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +114,7 @@ class ZooEntry:
         min_transformers: Lowest Transformers version the entry is meant for, or
             ``None``; below it the entry is reported unavailable.
         notes: Why the entry is in the zoo, in one or two sentences.
+        written_in: where ``expectations`` are written, as a check's report names it.
     """
 
     name: str
@@ -93,6 +126,7 @@ class ZooEntry:
     expectations: tuple[KeepExpectation, ...] = ()
     min_transformers: str | None = None
     notes: str = ""
+    written_in: str = "the zoo (pytest_fp32keep/check/zoo/models.py)"
 
     def expectation(self, dtype: torch.dtype, version: str | None = None) -> KeepExpectation | None:
         """The row of ``expectations`` for ``dtype`` in Transformers ``version`` (default: the
@@ -122,6 +156,29 @@ class ZooEntry:
             if row.covers(version) and row.refusal is not None
             for dtype in row.dtypes
         )
+
+    def refusal_mismatch(
+        self, dtype: torch.dtype, error: KeepLayoutError, version: str | None = None
+    ) -> str | None:
+        """How ``error`` differs from the refusal written for ``dtype`` in Transformers
+        ``version`` (default: installed), or ``None`` where it is the one written: its reason
+        tags and refused FQNs (:meth:`KeepExpectation.refusal_mismatch`). For a release no row
+        covers (refused by ``expect_layout_error`` alone), any row's refusal will do."""
+        version = version or transformers_version()
+        tags = frozenset(problem.reason for problem in error.problems)
+        if self.covers(version):
+            row = self.expectation(dtype, version)
+            written = [row] if row is not None and row.refusal is not None else []
+            if not written:
+                return f"no refusal is written for {dtype} in transformers {version}"
+        else:
+            written = [row for row in self.expectations if row.refusal is not None]
+            if not written:  # expected by expect_layout_error alone: nothing to compare with
+                return None
+        mismatches = [row.refusal_mismatch(tags, error.fqns) for row in written]
+        if any(mismatch is None for mismatch in mismatches):
+            return None
+        return f"not the refusal written in {self.written_in}: {'; '.join(map(str, mismatches))}"
 
     def unavailable_reason(self) -> str | None:
         """Why the installed Transformers cannot build this entry, or ``None`` if it can."""

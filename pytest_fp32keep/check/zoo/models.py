@@ -247,6 +247,11 @@ _AFMOE_NORMS = (
 )
 _EXPERT_BIAS = r"model\.layers\.\d+\.mlp\.expert_bias"
 _RWKV = (r"rwkv\.blocks\.\d+\.attention\.time_(decay|first)",)
+_RWKV_WHY = (
+    "RwkvSelfAttention owns time_decay and time_first, kept, beside its time_mix_* parameters, "
+    "not kept; its forward mixes the input with time_mix_* and feeds time_decay, time_first to "
+    "the WKV recurrence."
+)
 _BLIP2 = (r"query_tokens", r"qformer\..+")  # "qformer": every tensor of the Q-Former
 _INSTRUCTBLIP_A = (r"query_tokens", r"language_model\." + _LAYER)  # 4.x: hand-merged T5 list
 # 5.1+: merged by post_init, and "wo" also catches the Q-Former's "word_embeddings"
@@ -298,9 +303,9 @@ _EXPECTED: dict[str, tuple[KeepExpectation, ...]] = {
         ),
     ),
     "rwkv": (
-        KeepExpectation(_A, _FP16, _RWKV, "mixed-unit"),
-        KeepExpectation(_B, _ANY, None, "mixed-unit"),
-        KeepExpectation(_C, _FP16, _RWKV, "mixed-unit"),
+        KeepExpectation(_A, _FP16, _RWKV, "mixed-unit", why=_RWKV_WHY),
+        KeepExpectation(_B, _ANY, None, "mixed-unit", why=_RWKV_WHY),
+        KeepExpectation(_C, _FP16, _RWKV, "mixed-unit", why=_RWKV_WHY),
     ),
     # Blip2 and InstructBlip: the root's own parameters are `query_tokens` alone (kept in every
     # row), the rest lives in its children (vision tower, Q-Former, projection, language model),
