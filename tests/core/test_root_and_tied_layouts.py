@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from fp32keep import KeepLayoutError, KeepPlan, keep_aware_cast, plan_layout, resolve_keep_plan
+from fp32keep import KeepLayoutError, plan_layout
 from fp32keep import layout as layout_module
 from fp32keep.layout import Layout
 from tests.core.root_toys import (
@@ -23,20 +23,13 @@ from tests.core.root_toys import (
     TiedKeptStack,
     TinyLM,
 )
-from tests.core.toys import Stack, stack_class
+from tests.core.toys import Stack, cast_bf16, stack_class
 
 BF16 = torch.bfloat16
-SEMANTICS = "5.10.4"
-
-
-def cast(model: nn.Module) -> KeepPlan:
-    plan = resolve_keep_plan(model, BF16, transformers_version=SEMANTICS)
-    keep_aware_cast(model, BF16, plan=plan)
-    return plan
 
 
 def layout_of(model: nn.Module, **kwargs: object) -> Layout:
-    return plan_layout(model, cast(model), **kwargs)  # type: ignore[arg-type]
+    return plan_layout(model, cast_bf16(model), **kwargs)  # type: ignore[arg-type]
 
 
 def units(layout: Layout) -> dict[tuple[str, ...], str]:
@@ -137,8 +130,8 @@ def test_root_without_a_forward_is_refused_saying_so() -> None:
 def test_frozen_root_owned_parameter_without_replication_is_refused_saying_so() -> None:
     model = QueryStack()
     model.query_tokens.requires_grad_(False)
-    with pytest.raises(KeepLayoutError) as error:
-        plan_layout(model, cast(model), replicate_frozen=False)  # a torch without ignored_params
+    with pytest.raises(KeepLayoutError) as error:  # a torch without ignored_params
+        plan_layout(model, cast_bf16(model), replicate_frozen=False)
     assert [(p.fqn, p.reason) for p in error.value.problems] == [("query_tokens", "root-owned")]
     assert "its kept parameters are frozen" in str(error.value)
 

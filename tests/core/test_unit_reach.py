@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import fp32keep
-from fp32keep import KeepLayoutError, KeepPlan, ParameterUse, plan_layout
+from fp32keep import KeepLayoutError, ParameterUse, plan_layout
 from fp32keep.layout import Layout
 from tests.core.read_toys import (
     CalledHeadReadingRoot,
@@ -24,15 +24,9 @@ from tests.core.read_toys import (
     ProjReadingStack,
     SubtreeCallingRoot,
 )
+from tests.core.toys import cast_bf16
 
 BF16 = torch.bfloat16
-SEMANTICS = "5.10.4"
-
-
-def cast(model: nn.Module) -> KeepPlan:
-    plan = fp32keep.resolve_keep_plan(model, BF16, transformers_version=SEMANTICS)
-    fp32keep.keep_aware_cast(model, BF16, plan=plan)
-    return plan
 
 
 def observe(model: nn.Module) -> ParameterUse:
@@ -42,7 +36,7 @@ def observe(model: nn.Module) -> ParameterUse:
 
 
 def layout(model: nn.Module, *, observed: bool) -> Layout:
-    plan = cast(model)
+    plan = cast_bf16(model)
     return plan_layout(model, plan, observed=observe(model) if observed else None)
 
 

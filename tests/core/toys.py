@@ -8,6 +8,19 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+import fp32keep
+from fp32keep import KeepPlan
+
+SEMANTICS = "5.10.4"
+"""The Transformers rules the layout tests resolve with (5.x globs), whatever is installed."""
+
+
+def cast_bf16(model: nn.Module) -> KeepPlan:
+    """``model`` cast to bf16 the keep-aware way under :data:`SEMANTICS`; the plan it followed."""
+    plan = fp32keep.resolve_keep_plan(model, torch.bfloat16, transformers_version=SEMANTICS)
+    fp32keep.keep_aware_cast(model, torch.bfloat16, plan=plan)
+    return plan
+
 
 class Holder(nn.Module):
     """A callable leaf-or-branch module: its forward is never run by the layout tests."""
