@@ -183,3 +183,33 @@ def test_a_repeated_plan_does_not_rebuild() -> None:
     finally:
         ToyModel.__init__ = original  # type: ignore[method-assign]
     assert first < 5.0
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
+def test_reformers_axial_position_weights_are_what_from_pretrained_keeps(
+    dtype: torch.dtype, tmp_path: Path
+) -> None:
+    """A real class in no keep list and outside the family listing (which reads source for
+    declarations): Reformer builds its axial position weights with ``dtype=torch.float32``."""
+    config = transformers.ReformerConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_attention_heads=2,
+        attention_head_size=8,
+        axial_pos_embds_dim=[8, 8],
+        axial_pos_shape=[4, 8],
+        feed_forward_size=32,
+        num_hashes=1,
+        num_buckets=4,
+        attn_layers=["local", "lsh"],
+        max_position_embeddings=32,
+        local_attn_chunk_length=8,
+        lsh_attn_chunk_length=8,
+        is_decoder=True,
+    )
+    fresh = transformers.ReformerModel(config)
+    plan = resolve_keep_plan(fresh, dtype)
+    oracle, _ = _oracle(fresh, dtype, tmp_path)
+    assert oracle.kept, "from_pretrained keeps the axial position weights"
+    assert plan.names & oracle.persistent == oracle.kept, plan.describe()
+    assert ignoring_construction(fresh, dtype).names & oracle.persistent != oracle.kept
