@@ -50,13 +50,9 @@ NOT_BUILDABLE: Mapping[str, tuple[type[Exception], str]] = MappingProxyType({})
 #: Families whose plan differs from what ``from_pretrained`` keeps, found by the oracle and
 #: written with why: their cases must fail with the oracle's ``AssertionError`` (strict xfail,
 #: so a fix shows); docs/families.md counts them as differing.
-KNOWN_DIFFERENCES: Mapping[str, str] = MappingProxyType(
-    {
-        "esmfold2": "from_pretrained leaves parcae.log_delta FP32: EsmFold2Parcae builds it as "
-        "nn.Parameter(torch.empty(..., dtype=torch.float32)), in no keep list, and "
-        "resolve_keep_plan does not keep it (5.24.0: a gap of the plan, for fp32keep to close)",
-    }
-)
+#: None today: esmfold2's ``parcae.log_delta``, built FP32 by its code and in no list, is kept by
+#: the plan since it observes construction (:mod:`fp32keep.constructed`).
+KNOWN_DIFFERENCES: Mapping[str, str] = MappingProxyType({})
 
 
 def _oracle_cases(config: pytest.Config) -> list[Any]:

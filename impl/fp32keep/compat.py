@@ -15,6 +15,11 @@ only has to diff this file against that table:
 * group C (5.1.0 and later; checked up to 5.25.0): the dtype gates of group A with the glob
   match of group B; tuples and sets count; ``post_init`` folds nested models' lists into the top
   model's runtime attributes.
+
+In every group ``from_pretrained`` builds the model under the load dtype and loads each tensor into
+the dtype it was built with, so a parameter or persistent buffer the model code builds with an
+explicit ``dtype=torch.float32`` stays FP32 though no list names it (measured on 4.56.2, 5.0.0,
+5.10.4 and 5.24.0; :mod:`fp32keep.constructed` observes it).
 """
 
 from __future__ import annotations
@@ -58,6 +63,9 @@ class KeepSemantics:
         validates_entries: entries must name one whole parameter-name segment (4.x ``post_init``).
         reads_dtype_plan: a model's ``dtype_plan`` dict, when it has one, is what loading applies
             (5.0.0), rather than the runtime lists.
+        keeps_constructed_fp32: tensors the model code builds in FP32 under a low-precision
+            default dtype stay FP32 through ``from_pretrained`` (every release measured, 4.56.2
+            to 5.24.0; a release that casts them would set it False).
     """
 
     group: Group
@@ -67,6 +75,7 @@ class KeepSemantics:
     lists_only: bool
     validates_entries: bool
     reads_dtype_plan: bool = False
+    keeps_constructed_fp32: bool = True
 
     def __repr__(self) -> str:
         # Sorted: dtypes hash by address, so set order differs between ranks (fp32keep.reprs).

@@ -7,12 +7,13 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from fp32keep.compat import (
+    LOW_PRECISION_DTYPES,
     REGULAR_ATTR,
     STRICT_ATTR,
     KeepSemantics,
@@ -20,6 +21,7 @@ from fp32keep.compat import (
     installed_semantics,
     semantics_for,
 )
+from fp32keep.constructed import Construction, constructed_fp32, constructed_matches
 from fp32keep.errors import KeepDeclarationError
 from fp32keep.reprs import dataclass_repr
 from fp32keep.tensors import (
@@ -31,20 +33,26 @@ from fp32keep.tensors import (
     tensor_slots,
 )
 
+#: Why a tensor is kept: a declaration list, or the model code building it in FP32.
+MatchKind = Literal["regular", "strict", "constructed"]
+
 
 @dataclass(frozen=True)
 class KeepMatch:
     """Why one tensor is kept.
 
     Attributes:
-        entry: the declaration entry that matched.
-        list_kind: ``"regular"`` (``_keep_in_fp32_modules``) or ``"strict"``
-            (``_keep_in_fp32_modules_strict``).
+        entry: the declaration entry that matched; for a constructed tensor,
+            ``"constructed in torch.float32 by <Class>"`` (the module class that builds it).
+        list_kind: ``"regular"`` (``_keep_in_fp32_modules``), ``"strict"``
+            (``_keep_in_fp32_modules_strict``) or ``"constructed"`` (in no list, but built in
+            FP32 by the model code when ``from_pretrained`` constructs the model at the dtype,
+            so it loads FP32; :mod:`fp32keep.constructed`).
         via_alias: for a tied tensor kept because another of its names matched, that name.
     """
 
     entry: str
-    list_kind: ListKind
+    list_kind: MatchKind
     via_alias: str | None = None
 
 
@@ -66,6 +74,9 @@ class KeepPlan:
         model_name: the class name of the model, for messages.
         declared_by: the prefixes of the modules whose declarations were read (``""``: the
             model itself; ``"pretrained_model"``: a wrapper's Transformers model).
+        unobserved: for each Transformers model among them whose construction could not be
+            observed (no config, or its rebuild failed), why; its constructed-FP32 tensors are
+            then not in the plan.
     """
 
     dtype: torch.dtype
@@ -78,6 +89,7 @@ class KeepPlan:
     matches: Mapping[str, KeepMatch] = field(repr=False)
     model_name: str = "model"
     declared_by: tuple[str, ...] = ("",)
+    unobserved: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         # Sorted: the same plan must print the same on every rank (fp32keep.reprs).
@@ -113,6 +125,7 @@ class KeepPlan:
             lines.append(f"  declarations read from: {list(self.declared_by)}")
         lines.append(f"  regular entries applied: {list(self.regular_entries)}")
         lines.append(f"  strict entries applied:  {list(self.strict_entries)}")
+        lines.extend(f"  construction not observed: {note}" for note in self.unobserved)
         if self.is_empty:
             lines.append("  (nothing kept)")
             return "\n".join(lines)
@@ -306,6 +319,13 @@ def resolve_keep_plan(
         transformers_version: resolve as this Transformers release would (for example to see
             what an upgrade changes); default: the installed release.
 
+    Tensors in no list are kept too when the model code builds them in FP32: each Transformers
+    model the declarations are read from is rebuilt from its config on the meta device, under
+    ``dtype`` as the installed ``from_pretrained`` builds it, and every floating parameter or
+    persistent buffer that comes out FP32 is kept (``list_kind="constructed"``), since loading
+    leaves it FP32 (:mod:`fp32keep.constructed`; cached per class, config and dtype). A model
+    without a config, or whose rebuild fails, adds nothing and says so in ``unobserved``.
+
     Only floating tensors are kept (integer buffers are never touched, unlike 5.x loading, which
     casts matched integer buffers to fp32). A tied tensor is kept when any of its names matches,
     and the plan then lists every name.
@@ -342,6 +362,9 @@ def resolve_keep_plan(
         strict += root_strict
     slots = tensor_slots(model)
     matches = _match(slots, scopes)
+    observed = _observe_constructions(roots, dtype, semantics)
+    for name, (entry, via) in constructed_matches(slots, observed, matches).items():
+        matches[name] = KeepMatch(entry, "constructed", via_alias=via)
     param_names = frozenset(
         n for slot in slots if slot.is_param for n in slot.names if n in matches
     )
@@ -359,7 +382,22 @@ def resolve_keep_plan(
         matches=MappingProxyType(matches),
         model_name=type(model).__name__,
         declared_by=tuple(prefix for prefix, _ in roots),
+        unobserved=tuple(c.note for _, c in observed if c.note),
     )
+
+
+def _observe_constructions(
+    roots: list[tuple[str, nn.Module]], dtype: torch.dtype, semantics: KeepSemantics
+) -> list[tuple[str, Construction]]:
+    # Only a Transformers model is built by from_pretrained; at FP32 (or wider) nothing differs.
+    # The rebuild runs the installed class code, also for another release's rules (what-if).
+    if dtype not in LOW_PRECISION_DTYPES or not semantics.keeps_constructed_fp32:
+        return []
+    return [
+        (prefix, constructed_fp32(root, dtype))
+        for prefix, root in roots
+        if _is_transformers_model(root)
+    ]
 
 
 @dataclass(frozen=True)
