@@ -12,6 +12,7 @@ adds nothing and says so.
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -151,6 +152,19 @@ def test_a_rebuild_that_fails_adds_nothing_and_says_why() -> None:
     assert "construction not observed" in plan.describe()
     model.config.fail = False  # the config is the cache key: a changed config is observed anew
     assert resolve_keep_plan(model, torch.bfloat16).names == {"decay.log_delta", "decay.scale"}
+
+
+def test_a_failed_rebuild_under_warnings_as_errors_raises_once_then_fails_open() -> None:
+    clear_cache()
+    model = toy()
+    model.config.fail = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeWarning, match="rebuild from its config failed"):
+            resolve_keep_plan(model, torch.bfloat16)
+        plan = resolve_keep_plan(model, torch.bfloat16)  # the failure was cached before warning
+    assert plan.is_empty
+    assert plan.unobserved and "this toy refuses to be rebuilt" in plan.unobserved[0]
 
 
 def test_the_default_dtype_is_restored() -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
@@ -57,6 +58,8 @@ class Construction:
 
 
 _CACHE: OrderedDict[tuple[Any, ...], Construction] = OrderedDict()
+_CACHE_LOCK = threading.RLock()
+"""Held while the cache is read or a model is rebuilt (the rebuild sets the default dtype)."""
 
 
 def constructed_fp32(module: nn.Module, dtype: torch.dtype) -> Construction:
@@ -77,23 +80,28 @@ def constructed_fp32(module: nn.Module, dtype: torch.dtype) -> Construction:
     if config is None or not hasattr(cls, "get_init_context"):
         return Construction(MappingProxyType({}), f"{cls.__name__}: no config to rebuild from")
     key = _cache_key(cls, config, dtype)
-    if key is not None and key in _CACHE:
-        _CACHE.move_to_end(key)
-        return _CACHE[key]
-    try:
-        observed = Construction(MappingProxyType(_observe(cls, config, dtype)))
-    except Exception as error:  # fail-open, said in the note (see the docstring)
-        note = f"{cls.__name__}: rebuild from its config failed ({type(error).__name__}: {error})"
+    with _CACHE_LOCK:  # one rebuild at a time: it sets process-wide state (the default dtype)
+        if key is not None and key in _CACHE:
+            _CACHE.move_to_end(key)
+            return _CACHE[key]
+        note = None
+        try:
+            observed = Construction(MappingProxyType(_observe(cls, config, dtype)))
+        except Exception as error:  # fail-open, said in the note (see the docstring)
+            note = (
+                f"{cls.__name__}: rebuild from its config failed ({type(error).__name__}: {error})"
+            )
+            observed = Construction(MappingProxyType({}), note)
+        if key is not None:  # cached before warning: under -W error the warning raises
+            _CACHE[key] = observed
+            while len(_CACHE) > CACHE_SIZE:
+                _CACHE.popitem(last=False)
+    if note is not None:
         warnings.warn(
             f"fp32keep: {note}; tensors its code builds in FP32 are not in the keep plan",
             RuntimeWarning,
             stacklevel=3,
         )
-        observed = Construction(MappingProxyType({}), note)
-    if key is not None:
-        _CACHE[key] = observed
-        while len(_CACHE) > CACHE_SIZE:
-            _CACHE.popitem(last=False)
     return observed
 
 

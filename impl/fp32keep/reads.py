@@ -326,6 +326,8 @@ def _chain_uses(cls: type) -> tuple[_Use, ...]:
             parent = parents.get(node)
             if not isinstance(node, ast.Attribute) or isinstance(parent, ast.Attribute):
                 continue  # not an attribute, or not the outermost part of its chain
+            if isinstance(node.ctx, (ast.Store, ast.Del)) and not isinstance(parent, ast.AugAssign):
+                continue  # assigned or deleted (`self.decoder.bias = ...`), not read; `+=` reads
             chain = _self_chain(node)
             if chain is None:
                 continue

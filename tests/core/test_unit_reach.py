@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import fp32keep
-from fp32keep import KeepLayoutError, ParameterUse, plan_layout
+from fp32keep import KeepLayoutError, ParameterUse, plan_layout, reads
 from fp32keep.layout import Layout
 from tests.core.read_toys import (
     CalledHeadReadingRoot,
@@ -148,3 +148,21 @@ def test_frozen_root_tokens_leave_the_read_module_in_the_root_unit(observed: boo
     assert found.owner["decoder.head.weight"] == "<root>"
     assert found.replicated == ("query_tokens",)
     assert found.units[-1].kind == "root"
+
+
+class _Assigning(nn.Module):
+    """Writes and deletes attributes of its children in forward; reads only ``bias`` and
+    ``scale.weight`` (``+=`` reads before it writes)."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # pragma: no cover - parsed, not run
+        self.decoder.bias = self.bias
+        del self.cache.weight
+        self.scale.weight += 1
+        return h
+
+
+def test_an_assignment_or_deletion_is_not_a_read() -> None:
+    chains = {chain for _, chain, _ in reads._chain_uses(_Assigning)}
+    assert ("decoder", "bias") not in chains
+    assert ("cache", "weight") not in chains
+    assert {("bias",), ("scale", "weight")} <= chains, chains
