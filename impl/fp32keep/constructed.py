@@ -18,6 +18,12 @@ model code alone decides their dtype (rotary ``inv_freq``).
 Pure with respect to the model in hand: it is only read (its class and config). Results are
 cached per (class, config content, dtype): the config is serialised for the key, so a config
 changed in place is a new key, never a stale answer.
+
+A rebuild that fails for the process's own environment (:data:`LOCAL_ERRORS`: a file, memory,
+an import) can fail on one rank only, and that rank's plan then misses what the others keep.
+Such a failure is not cached (the next plan tries again), and where ranks already exchange
+something before sharding (``apply_fsdp2(observed=...)``, the contract's build step) they
+compare their plans' digests: :func:`plan_divergence` is the error every rank raises.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import inspect
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -40,6 +46,9 @@ from fp32keep.tensors import TensorSlot, is_castable_float, tensor_slots
 
 #: How many (class, config, dtype) observations are remembered.
 CACHE_SIZE = 64
+#: Rebuild errors that come from this process's environment, not from the class and config:
+#: they may differ between ranks and between calls, so they are not cached.
+LOCAL_ERRORS: tuple[type[BaseException], ...] = (OSError, MemoryError, ImportError)
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,7 @@ def constructed_fp32(module: nn.Module, dtype: torch.dtype) -> Construction:
             _CACHE.move_to_end(key)
             return _CACHE[key]
         note = None
+        local = False
         try:
             observed = Construction(MappingProxyType(_observe(cls, config, dtype)))
         except Exception as error:  # fail-open, said in the note (see the docstring)
@@ -92,7 +102,8 @@ def constructed_fp32(module: nn.Module, dtype: torch.dtype) -> Construction:
                 f"{cls.__name__}: rebuild from its config failed ({type(error).__name__}: {error})"
             )
             observed = Construction(MappingProxyType({}), note)
-        if key is not None:  # cached before warning: under -W error the warning raises
+            local = isinstance(error, LOCAL_ERRORS)  # may succeed next time, or on another rank
+        if key is not None and not local:  # cached before warning: under -W error it raises
             _CACHE[key] = observed
             while len(_CACHE) > CACHE_SIZE:
                 _CACHE.popitem(last=False)
@@ -162,6 +173,27 @@ def _init_contexts(cls: Any, dtype: torch.dtype) -> Iterator[None]:
             yield
     finally:
         torch.set_default_dtype(original)
+
+
+def plan_divergence(where: str, accounts: Sequence[tuple[int, str, tuple[str, ...]]]) -> str | None:
+    """Why the ranks' keep plans differ, or ``None`` when every digest is the first rank's.
+
+    ``accounts``: per rank, its number, its plan's :meth:`~fp32keep.KeepPlan.digest` and its
+    ``unobserved`` notes. Computed from gathered data alone: the same text on every rank.
+    """
+    first, digest, _ = accounts[0]
+    differing = [rank for rank, other, _ in accounts if other != digest]
+    if not differing:
+        return None
+    notes = [
+        f"rank {rank}: {'; '.join(unobserved)}" for rank, _, unobserved in accounts if unobserved
+    ]
+    why = f"; construction not observed on {', '.join(notes)}" if notes else ""
+    return (
+        f"{where}: the keep plan on ranks {differing} differs from rank {first}'s{why}. Every "
+        "rank must resolve the same plan: a rebuild that failed on some rank only (for a file, "
+        "memory or an import of its own) left out there what the model code builds in FP32"
+    )
 
 
 def clear_cache() -> None:
