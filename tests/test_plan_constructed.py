@@ -234,6 +234,36 @@ def test_a_repeated_plan_does_not_rebuild() -> None:
     assert first < 5.0
 
 
+def test_a_repeated_plan_does_not_serialise_its_config_but_notices_changes_in_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cache key is the config's JSON; serialising it on every plan cost more than the rest
+    of a cached answer. A config seen before, in the same state, is not serialised again; one
+    changed in place, even deep inside (a list appended to), is, and observed anew."""
+    clear_cache()
+    model = toy()
+    model.config.extra = {"sections": [1]}
+    calls = 0
+    to_json = ToyConfig.to_json_string
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> str:
+        nonlocal calls
+        calls += 1
+        return str(to_json(self, *args, **kwargs))
+
+    monkeypatch.setattr(ToyConfig, "to_json_string", counting)
+    resolve_keep_plan(model, torch.bfloat16)
+    assert calls == 1
+    resolve_keep_plan(model, torch.bfloat16)
+    assert calls == 1  # the same config, unchanged: its JSON is reused
+    model.config.extra["sections"].append(2)
+    resolve_keep_plan(model, torch.bfloat16)
+    assert calls == 2  # changed in place, deep inside: serialised again
+    model.config.fail = True
+    with pytest.warns(RuntimeWarning, match="this toy refuses to be rebuilt"):
+        assert resolve_keep_plan(model, torch.bfloat16).is_empty  # a new key, observed anew
+
+
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
 def test_reformers_axial_position_weights_are_what_from_pretrained_keeps(
     dtype: torch.dtype, tmp_path: Path

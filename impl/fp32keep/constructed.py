@@ -17,7 +17,9 @@ model code alone decides their dtype (rotary ``inv_freq``).
 
 Pure with respect to the model in hand: it is only read (its class and config). Results are
 cached per (class, config content, dtype): the config is serialised for the key, so a config
-changed in place is a new key, never a stale answer.
+changed in place is a new key, never a stale answer. Serialising costs more than the rest of a
+cached answer, so the same config object in the same state (a snapshot of its attributes,
+nested, compared by value) reuses the JSON it gave last time.
 
 A rebuild that fails for the process's own environment (:data:`LOCAL_ERRORS`: a file, memory,
 an import) can fail on one rank only, and that rank's plan then misses what the others keep.
@@ -28,10 +30,12 @@ compare their plans' digests: :func:`plan_divergence` is the error every rank ra
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import threading
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
@@ -117,11 +121,71 @@ def constructed_fp32(module: nn.Module, dtype: torch.dtype) -> Construction:
 
 
 def _cache_key(cls: type, config: Any, dtype: torch.dtype) -> tuple[Any, ...] | None:
+    content = _content(config)
+    return None if content is None else (cls, type(config), content, dtype)
+
+
+#: ``id(config)`` -> (a weak reference to it, :func:`_state` of it, its JSON): the JSON of a
+#: config seen before and unchanged since, without serialising it again (the cache key's cost).
+_CONTENTS: dict[int, tuple[weakref.ref[Any], Any, str]] = {}
+#: How deep :func:`_state` follows nested configs, dicts and lists before it gives up.
+_STATE_DEPTH = 8
+
+
+def _content(config: Any) -> str | None:
+    """``config.to_json_string(use_diff=False)``, or ``None`` when it cannot be serialised (then
+    observed every time, never cached); taken from :data:`_CONTENTS` when the same config object
+    is in the same state (:func:`_state`) as when it was serialised, so a config changed in place
+    is serialised anew."""
+    state = _state(config, _STATE_DEPTH)
+    seen = _CONTENTS.get(id(config))
+    if state is not None and seen is not None and seen[0]() is config and seen[1] == state:
+        return seen[2]
     try:
-        content = config.to_json_string(use_diff=False)
-    except Exception:  # a config that cannot be serialised is observed every time, never cached
+        content: str = config.to_json_string(use_diff=False)
+    except Exception:
         return None
-    return (cls, type(config), content, dtype)
+    if state is not None:
+        with contextlib.suppress(TypeError):  # not weakly referable: serialised every call
+            _CONTENTS[id(config)] = (weakref.ref(config, _forget(id(config))), state, content)
+    return content
+
+
+def _forget(key: int) -> Any:
+    return lambda _: _CONTENTS.pop(key, None)
+
+
+class _Uncomparable(Exception):
+    """Something in a config that :func:`_state` does not snapshot."""
+
+
+#: Values :func:`_state` takes as they are (immutable, compared by value).
+_SCALARS = (str, int, float, bool, type(None), torch.dtype)
+
+
+def _state(value: Any, depth: int) -> Any:
+    """A comparable snapshot of ``value``: its attributes (a config: its ``__dict__``), dict
+    items and list entries, nested; ``None`` when something in it cannot be compared that way
+    (too deep, or an object of another kind: the JSON is then taken every time)."""
+    try:
+        return _snapshot(value, depth)
+    except _Uncomparable:
+        return None
+
+
+def _snapshot(value: Any, depth: int) -> Any:
+    if isinstance(value, _SCALARS):
+        return value
+    if depth == 0:
+        raise _Uncomparable
+    if isinstance(value, dict):
+        return (dict, tuple((key, _snapshot(item, depth - 1)) for key, item in value.items()))
+    if isinstance(value, list | tuple):
+        return (type(value), tuple(_snapshot(item, depth - 1) for item in value))
+    if hasattr(value, "to_json_string") and hasattr(value, "__dict__"):  # a (sub-)config
+        items = vars(value).items()
+        return (type(value), tuple((key, _snapshot(item, depth - 1)) for key, item in items))
+    raise _Uncomparable
 
 
 def _observe(cls: Any, config: Any, dtype: torch.dtype) -> dict[str, str]:
@@ -199,6 +263,7 @@ def plan_divergence(where: str, accounts: Sequence[tuple[int, str, tuple[str, ..
 def clear_cache() -> None:
     """Forget every cached observation (tests; a class redefined in place)."""
     _CACHE.clear()
+    _CONTENTS.clear()
 
 
 def constructed_entry(owner: str) -> str:
