@@ -6,6 +6,8 @@ nothing (it declares no keep list, nor does its Qwen3 text model), so it is not 
 ESMFold2's validators tie its rotary pairs to its head width and its input width to its atom
 encoder's; built, it runs, but its forward is random by design (:data:`.overrides.STOCHASTIC`):
 not runnable, with why, rather than a parity failure.
+SLANet's config has no image size (its PPLCNet backbone is convolutional): without the one its
+override gives, its batch has no pixels and its forward no input.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pytest_fp32keep.check import families
 from pytest_fp32keep.check.families import discovery, entries, overrides
 from pytest_fp32keep.check.families.batches import family_batch
 from pytest_fp32keep.check.targets import family_availability, family_spec
+from pytest_fp32keep.contract.steps import logits_and_loss
 
 
 def _needs(family: str) -> None:
@@ -87,3 +90,54 @@ def test_esmfold2_runs_but_its_forward_is_random_so_it_is_not_runnable() -> None
     assert buildable == []
     reason = unavailable[family_spec("esmfold2")]
     assert reason == f"not runnable (random forward: {overrides.STOCHASTIC['esmfold2']})"
+
+
+def _forget_probes() -> None:
+    for cached in (entries.probe, entries.family_entry):
+        cached.cache_clear()
+
+
+def _probe_afresh(family: str) -> entries.Probe:
+    _forget_probes()
+    return entries.probe(family)
+
+
+def test_slanet_gets_pixels_from_its_override_and_its_probe_passes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With its override (an image size, a short decode) SLANet's batch is 64 x 64 pixels and
+    nothing else (an image-only model, as SLANeXt), and its probe passes with the kind
+    ``buildable``; without the image size (the negative control) the batch has no pixels and
+    the probe says why: the forward's missing ``pixel_values``, never a reason of ``None``."""
+    _needs("slanet")
+    assert families.listed("slanet")
+    model: Any = families.build_family_model("slanet")
+    batch = family_batch(model, 0)
+    assert list(batch) == ["pixel_values"] and batch["pixel_values"].shape == (2, 3, 64, 64)
+    probed = _probe_afresh("slanet")
+    assert (probed.entry is not None, probed.reason, probed.kind) == (True, None, "buildable")
+    without = {k: v for k, v in overrides.OVERRIDES["slanet"].items() if k != "image_size"}
+    monkeypatch.setattr(entries, "OVERRIDES", {**overrides.OVERRIDES, "slanet": without})
+    try:
+        probed = _probe_afresh("slanet")
+    finally:
+        monkeypatch.undo()
+        _forget_probes()  # the probes of the patched overrides
+    assert probed.entry is None and probed.kind == "not buildable"
+    assert probed.reason is not None and "pixel_values" in probed.reason
+
+
+def test_slanet_without_a_loss_gets_gradients_from_the_contracts_loss() -> None:
+    """SLANet returns softmax probabilities and no loss. The contract's loss (the mean square
+    of them, which the probe now takes too) reaches the kept head's weights; the plain mean the
+    probe took before is a constant (each row sums to one), and gives them no gradient."""
+    _needs("slanet")
+    model: Any = families.build_family_model("slanet")
+    batch = family_batch(model, 0)
+    head = model.head.structure_generator.fc2.weight
+    _, loss = logits_and_loss(model(**batch))
+    loss.backward()  # type: ignore[no-untyped-call]
+    assert head.grad is not None and head.grad.abs().max() > 0
+    model.zero_grad(set_to_none=True)
+    model(**batch)[0].float().mean().backward()
+    assert head.grad is not None and head.grad.abs().max() < 1e-9

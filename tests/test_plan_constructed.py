@@ -20,9 +20,10 @@ import pytest
 import torch
 from torch import nn
 
+import fp32keep.constructed
 import fp32keep.plan
 from fp32keep import KeepPlan, resolve_keep_plan
-from fp32keep.constructed import clear_cache
+from fp32keep.constructed import clear_cache, plan_divergence
 from tests.test_plan_oracle import _oracle
 
 transformers = pytest.importorskip("transformers")
@@ -167,6 +168,40 @@ def test_a_failed_rebuild_under_warnings_as_errors_raises_once_then_fails_open()
     assert plan.unobserved and "this toy refuses to be rebuilt" in plan.unobserved[0]
 
 
+def test_a_rebuild_failing_for_its_environment_is_not_cached(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An ``OSError`` (a file, a full disk: constructed.LOCAL_ERRORS) may pass on the next try
+    and on another rank: it fails open without being cached, so the next plan observes again.
+    A failure of the class and config themselves stays cached (the test above)."""
+    clear_cache()
+    model = toy()
+    observe = fp32keep.constructed._observe
+
+    def full(*_: Any) -> dict[str, str]:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fp32keep.constructed, "_observe", full)
+    with pytest.warns(RuntimeWarning, match="OSError"):
+        assert resolve_keep_plan(model, torch.bfloat16).unobserved
+    monkeypatch.setattr(fp32keep.constructed, "_observe", observe)
+    plan = resolve_keep_plan(model, torch.bfloat16)
+    assert plan.unobserved == () and plan.names == {"decay.log_delta", "decay.scale"}
+
+
+def test_plans_that_differ_are_named_with_what_each_rank_could_not_observe() -> None:
+    """The text every rank raises (apply_fsdp2, the contract) is built from gathered data."""
+    clear_cache()
+    kept = resolve_keep_plan(toy(), torch.bfloat16)
+    assert plan_divergence("here", [(0, kept.digest(), ()), (1, kept.digest(), ())]) is None
+    failed = ("ToyModel: rebuild from its config failed (OSError: full)",)
+    text = plan_divergence("here", [(0, kept.digest(), ()), (1, "other", failed)])
+    assert text is not None and text.startswith(
+        "here: the keep plan on ranks [1] differs from rank 0's; construction not observed on "
+        "rank 1: ToyModel: rebuild from its config failed (OSError: full)"
+    )
+
+
 def test_the_default_dtype_is_restored() -> None:
     clear_cache()
     before = torch.get_default_dtype()
@@ -197,6 +232,36 @@ def test_a_repeated_plan_does_not_rebuild() -> None:
     finally:
         ToyModel.__init__ = original  # type: ignore[method-assign]
     assert first < 5.0
+
+
+def test_a_repeated_plan_does_not_serialise_its_config_but_notices_changes_in_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cache key is the config's JSON; serialising it on every plan cost more than the rest
+    of a cached answer. A config seen before, in the same state, is not serialised again; one
+    changed in place, even deep inside (a list appended to), is, and observed anew."""
+    clear_cache()
+    model = toy()
+    model.config.extra = {"sections": [1]}
+    calls = 0
+    to_json = ToyConfig.to_json_string
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> str:
+        nonlocal calls
+        calls += 1
+        return str(to_json(self, *args, **kwargs))
+
+    monkeypatch.setattr(ToyConfig, "to_json_string", counting)
+    resolve_keep_plan(model, torch.bfloat16)
+    assert calls == 1
+    resolve_keep_plan(model, torch.bfloat16)
+    assert calls == 1  # the same config, unchanged: its JSON is reused
+    model.config.extra["sections"].append(2)
+    resolve_keep_plan(model, torch.bfloat16)
+    assert calls == 2  # changed in place, deep inside: serialised again
+    model.config.fail = True
+    with pytest.warns(RuntimeWarning, match="this toy refuses to be rebuilt"):
+        assert resolve_keep_plan(model, torch.bfloat16).is_empty  # a new key, observed anew
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)

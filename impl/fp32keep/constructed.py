@@ -17,17 +17,27 @@ model code alone decides their dtype (rotary ``inv_freq``).
 
 Pure with respect to the model in hand: it is only read (its class and config). Results are
 cached per (class, config content, dtype): the config is serialised for the key, so a config
-changed in place is a new key, never a stale answer.
+changed in place is a new key, never a stale answer. Serialising costs more than the rest of a
+cached answer, so the same config object in the same state (a snapshot of its attributes,
+nested, compared by value) reuses the JSON it gave last time.
+
+A rebuild that fails for the process's own environment (:data:`LOCAL_ERRORS`: a file, memory,
+an import) can fail on one rank only, and that rank's plan then misses what the others keep.
+Such a failure is not cached (the next plan tries again), and where ranks already exchange
+something before sharding (``apply_fsdp2(observed=...)``, the contract's build step) they
+compare their plans' digests: :func:`plan_divergence` is the error every rank raises.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import threading
 import warnings
+import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -40,6 +50,9 @@ from fp32keep.tensors import TensorSlot, is_castable_float, tensor_slots
 
 #: How many (class, config, dtype) observations are remembered.
 CACHE_SIZE = 64
+#: Rebuild errors that come from this process's environment, not from the class and config:
+#: they may differ between ranks and between calls, so they are not cached.
+LOCAL_ERRORS: tuple[type[BaseException], ...] = (OSError, MemoryError, ImportError)
 
 
 @dataclass(frozen=True)
@@ -85,6 +98,7 @@ def constructed_fp32(module: nn.Module, dtype: torch.dtype) -> Construction:
             _CACHE.move_to_end(key)
             return _CACHE[key]
         note = None
+        local = False
         try:
             observed = Construction(MappingProxyType(_observe(cls, config, dtype)))
         except Exception as error:  # fail-open, said in the note (see the docstring)
@@ -92,7 +106,8 @@ def constructed_fp32(module: nn.Module, dtype: torch.dtype) -> Construction:
                 f"{cls.__name__}: rebuild from its config failed ({type(error).__name__}: {error})"
             )
             observed = Construction(MappingProxyType({}), note)
-        if key is not None:  # cached before warning: under -W error the warning raises
+            local = isinstance(error, LOCAL_ERRORS)  # may succeed next time, or on another rank
+        if key is not None and not local:  # cached before warning: under -W error it raises
             _CACHE[key] = observed
             while len(_CACHE) > CACHE_SIZE:
                 _CACHE.popitem(last=False)
@@ -106,11 +121,71 @@ def constructed_fp32(module: nn.Module, dtype: torch.dtype) -> Construction:
 
 
 def _cache_key(cls: type, config: Any, dtype: torch.dtype) -> tuple[Any, ...] | None:
+    content = _content(config)
+    return None if content is None else (cls, type(config), content, dtype)
+
+
+#: ``id(config)`` -> (a weak reference to it, :func:`_state` of it, its JSON): the JSON of a
+#: config seen before and unchanged since, without serialising it again (the cache key's cost).
+_CONTENTS: dict[int, tuple[weakref.ref[Any], Any, str]] = {}
+#: How deep :func:`_state` follows nested configs, dicts and lists before it gives up.
+_STATE_DEPTH = 8
+
+
+def _content(config: Any) -> str | None:
+    """``config.to_json_string(use_diff=False)``, or ``None`` when it cannot be serialised (then
+    observed every time, never cached); taken from :data:`_CONTENTS` when the same config object
+    is in the same state (:func:`_state`) as when it was serialised, so a config changed in place
+    is serialised anew."""
+    state = _state(config, _STATE_DEPTH)
+    seen = _CONTENTS.get(id(config))
+    if state is not None and seen is not None and seen[0]() is config and seen[1] == state:
+        return seen[2]
     try:
-        content = config.to_json_string(use_diff=False)
-    except Exception:  # a config that cannot be serialised is observed every time, never cached
+        content: str = config.to_json_string(use_diff=False)
+    except Exception:
         return None
-    return (cls, type(config), content, dtype)
+    if state is not None:
+        with contextlib.suppress(TypeError):  # not weakly referable: serialised every call
+            _CONTENTS[id(config)] = (weakref.ref(config, _forget(id(config))), state, content)
+    return content
+
+
+def _forget(key: int) -> Any:
+    return lambda _: _CONTENTS.pop(key, None)
+
+
+class _Uncomparable(Exception):
+    """Something in a config that :func:`_state` does not snapshot."""
+
+
+#: Values :func:`_state` takes as they are (immutable, compared by value).
+_SCALARS = (str, int, float, bool, type(None), torch.dtype)
+
+
+def _state(value: Any, depth: int) -> Any:
+    """A comparable snapshot of ``value``: its attributes (a config: its ``__dict__``), dict
+    items and list entries, nested; ``None`` when something in it cannot be compared that way
+    (too deep, or an object of another kind: the JSON is then taken every time)."""
+    try:
+        return _snapshot(value, depth)
+    except _Uncomparable:
+        return None
+
+
+def _snapshot(value: Any, depth: int) -> Any:
+    if isinstance(value, _SCALARS):
+        return value
+    if depth == 0:
+        raise _Uncomparable
+    if isinstance(value, dict):
+        return (dict, tuple((key, _snapshot(item, depth - 1)) for key, item in value.items()))
+    if isinstance(value, list | tuple):
+        return (type(value), tuple(_snapshot(item, depth - 1) for item in value))
+    if hasattr(value, "to_json_string") and hasattr(value, "__dict__"):  # a (sub-)config
+        items = vars(value).items()
+        return (type(value), tuple((key, _snapshot(item, depth - 1)) for key, item in items))
+    raise _Uncomparable
 
 
 def _observe(cls: Any, config: Any, dtype: torch.dtype) -> dict[str, str]:
@@ -164,9 +239,31 @@ def _init_contexts(cls: Any, dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(original)
 
 
+def plan_divergence(where: str, accounts: Sequence[tuple[int, str, tuple[str, ...]]]) -> str | None:
+    """Why the ranks' keep plans differ, or ``None`` when every digest is the first rank's.
+
+    ``accounts``: per rank, its number, its plan's :meth:`~fp32keep.KeepPlan.digest` and its
+    ``unobserved`` notes. Computed from gathered data alone: the same text on every rank.
+    """
+    first, digest, _ = accounts[0]
+    differing = [rank for rank, other, _ in accounts if other != digest]
+    if not differing:
+        return None
+    notes = [
+        f"rank {rank}: {'; '.join(unobserved)}" for rank, _, unobserved in accounts if unobserved
+    ]
+    why = f"; construction not observed on {', '.join(notes)}" if notes else ""
+    return (
+        f"{where}: the keep plan on ranks {differing} differs from rank {first}'s{why}. Every "
+        "rank must resolve the same plan: a rebuild that failed on some rank only (for a file, "
+        "memory or an import of its own) left out there what the model code builds in FP32"
+    )
+
+
 def clear_cache() -> None:
     """Forget every cached observation (tests; a class redefined in place)."""
     _CACHE.clear()
+    _CONTENTS.clear()
 
 
 def constructed_entry(owner: str) -> str:

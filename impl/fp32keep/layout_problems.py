@@ -106,7 +106,12 @@ def outside_use_problem(
     kind = type(model.get_submodule(module)).__name__
     own_unit = unit_label == module
     wrap = f"make {module!r} a unit of its own (name its class, {kind}, in wrap=...)"
-    if called:
+    if called and read.expression.endswith(".forward(...)"):
+        fix = (
+            f"call {module!r} itself, not its .forward (FSDP2 all-gathers in the hooks a call "
+            "runs and .forward skips)"
+        )
+    elif called:
         fix = f"the call gathers nothing, as {module!r} is no unit: {wrap}"
     else:
         fix = f"call {module!r} instead of reading its {fqn.rpartition('.')[2]}"

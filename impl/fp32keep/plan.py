@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -104,6 +105,12 @@ class KeepPlan:
     def is_empty(self) -> bool:
         """True when nothing is kept."""
         return not self.matches
+
+    def digest(self) -> str:
+        """A hash of the dtype and of every kept name with why it is kept: what ranks compare,
+        equal wherever two plans keep the same tensors for the same reasons."""
+        rows = sorted((n, m.list_kind, m.entry, m.via_alias or "") for n, m in self.matches.items())
+        return hashlib.sha256(repr((str(self.dtype), rows)).encode()).hexdigest()
 
     def __contains__(self, fqn: object) -> bool:
         return fqn in self.matches

@@ -357,7 +357,9 @@ def uses_from_outside(
     that lies outside the unit, each ``self.PATH.TENSOR`` in its runtime methods (not for
     metadata, ``isinstance``, ``is None``) naming one of those parameters is a read, and each
     ``self.PATH(...)`` calling a module inside the unit that is not itself one of its modules is
-    a call of every such parameter at or below it (FSDP2 gathers nothing around it):
+    a call of every such parameter at or below it (FSDP2 gathers nothing around it), and so is
+    ``self.PATH.forward(...)`` of any module inside the unit, its own modules included (an
+    explicit ``.forward`` skips the module's hooks, where FSDP2 all-gathers):
     ``(parameter name, read, called)``. Only the methods
     the ancestor's class resolves to are read (a base's ``forward`` a subclass overrides is not
     what runs), spelled through ``self`` only: a path through an index
@@ -377,11 +379,15 @@ def uses_from_outside(
     for ancestor_fqn in sorted(a for a in ancestors if not inside(a)):
         ancestor = model.get_submodule(ancestor_fqn)
         for cls in model_classes(type(ancestor)):
-            for method, chain, called in _chain_uses(cls):
+            for method, spelled, called in _chain_uses(cls):
                 if inspect.getattr_static(type(ancestor), method, None) is not vars(cls).get(
                     method
                 ):
                     continue  # overridden by a more derived class: not what runs
+                # `self.PATH.forward(...)` runs the module at PATH but skips its hooks, FSDP2's
+                # all-gather among them: a use of everything below PATH, even of a unit's module.
+                bypass = called and len(spelled) > 1 and spelled[-1] == "forward"
+                chain = spelled[:-1] if bypass else spelled
                 where = f"{cls.__name__}.{method}()"
                 for cut in range(1, len(chain) + 1):
                     path = ".".join(chain[:cut])
@@ -392,11 +398,12 @@ def uses_from_outside(
                         evidence = f"read in {where}"
                         read = DirectRead(module_fqn, cls.__name__, path, ancestor_fqn, evidence)
                         found.setdefault(full, (full, read, False))
-                    elif cut == len(chain) and called and inside(full) and full not in modules:
+                    elif cut == len(chain) and called and inside(full):
+                        if full in modules and not bypass:
+                            continue  # a call of the unit's own module: its hooks gather it
+                        spelling = f"{path}.forward(...)" if bypass else f"{path}(...)"
                         evidence = f"called in {where}"
-                        read = DirectRead(
-                            full, cls.__name__, f"{path}(...)", ancestor_fqn, evidence
-                        )
+                        read = DirectRead(full, cls.__name__, spelling, ancestor_fqn, evidence)
                         for name in _owned_below(full, owned):
                             found.setdefault(name, (name, read, True))
     return list(found.values())

@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from fp32keep.constructed import plan_divergence
 from fp32keep.devices import collective_device
 from fp32keep.gathered import register_gathered_methods
 from fp32keep.layout import KeptGrouping, Layout, WrapSpec, plan_layout
@@ -167,19 +168,20 @@ def apply_fsdp2(
 
     Raises:
         KeepLayoutError: the layout cannot keep the plan (nothing sharded).
-        ValueError: ``observed`` is of another model, or is still recording (on any rank:
-            raised on every rank of the mesh, before anything is sharded).
+        ValueError: ``observed`` is of another model, or is still recording, or (given
+            ``observed``) the ranks' keep plans differ (on any rank: raised on every rank of the
+            mesh, before anything is sharded).
         TypeError: ``observed`` is not a :class:`fp32keep.ParameterUse` (likewise).
 
     Returns:
         ``model``, now an ``FSDPModule``.
     """
     _check_callable_state(model, mesh, mp_policy)
-    observed = agreed_observation(model, observed, mesh)
     if plan is None:
         plan = resolve_keep_plan(model, infer_low_precision_dtype(model, mp_policy))
     else:
         check_plan_fits(model, plan)
+    observed = agreed_observation(model, observed, mesh, plan)
     layout = plan_layout(
         model,
         plan,
@@ -221,15 +223,19 @@ def _shard(
         _to_mesh_device(common["ignored_params"], mesh)
 
 
-def agreed_observation(model: nn.Module, observed: object, mesh: DeviceMesh) -> ParameterUse | None:
+def agreed_observation(
+    model: nn.Module, observed: object, mesh: DeviceMesh, plan: KeepPlan | None = None
+) -> ParameterUse | None:
     """``observed`` merged over every rank of ``mesh``, or an error on every rank when any
-    rank's is unusable; ``None`` (no collective) without one. Every rank then plans the same
-    layout.
+    rank's is unusable or, given ``plan``, when the ranks' plans differ
+    (:func:`fp32keep.constructed.plan_divergence`); ``None`` (no collective) without one. Every
+    rank then plans the same layout.
 
-    One small collective per mesh dimension (each rank's digest and what is wrong with its
-    observation, if anything; the whole observations only where the digests differ). Without an
-    observation nothing is exchanged, so ``apply_fsdp2`` stays as free of collectives as
-    ``fully_shard``: a rank that raised before it leaves its peers no collective to wait in.
+    One small collective per mesh dimension (each rank's digest, what is wrong with its
+    observation, if anything, and its plan's digest and unobserved notes; the whole observations
+    only where the digests differ). Without an observation nothing is exchanged, so
+    ``apply_fsdp2`` stays as free of collectives as ``fully_shard``: a rank that raised before
+    it leaves its peers no collective to wait in.
     """
     if observed is None:
         return None
@@ -246,15 +252,20 @@ def agreed_observation(model: nn.Module, observed: object, mesh: DeviceMesh) -> 
         ranks = dist.get_process_group_ranks(group)
         accounts: list[Any] = [None] * len(ranks)
         digest = mine.digest() if mine is not None and problem is None else None
-        dist.all_gather_object(accounts, (digest, problem), group=group)
+        keeps = (plan.digest(), plan.unobserved) if plan is not None else ("", ())
+        dist.all_gather_object(accounts, (digest, problem, keeps), group=group)
         refusals = [
-            f"rank {rank}: {bad}" for rank, (_, bad) in zip(ranks, accounts, strict=True) if bad
+            f"rank {rank}: {bad}" for rank, (_, bad, _) in zip(ranks, accounts, strict=True) if bad
         ]
         if refusals:
             kind = TypeError if any("must be a" in text for text in refusals) else ValueError
             raise kind("apply_fsdp2(observed=...): " + "; ".join(refusals))
+        plans = [(rank, *keeps) for rank, (_, _, keeps) in zip(ranks, accounts, strict=True)]
+        divergence = plan_divergence("apply_fsdp2", plans)
+        if divergence is not None:  # raised on every rank, before anything is sharded
+            raise ValueError(divergence)
         assert mine is not None  # no rank refused, this one included
-        if len({digest for digest, _ in accounts}) > 1:
+        if len({digest for digest, _, _ in accounts}) > 1:
             everyone: list[Any] = [None] * len(ranks)
             dist.all_gather_object(everyone, mine, group=group)
             mine = mine.merged(everyone)

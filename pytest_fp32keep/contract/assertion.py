@@ -91,6 +91,8 @@ from pytest_fp32keep.contract.verdicts import (
     Agreement,
     batch_fingerprint,
     batch_problem,
+    plan_account,
+    plan_problem,
 )
 from pytest_fp32keep.contract.weights import loaded_weights, loading, low_precision
 
@@ -432,8 +434,8 @@ def assert_fp32_keep_contract(
             answer to a layout FSDP2 cannot keep, re-raised as is).
         ValueError: ``master_dtype`` is neither ``None`` nor ``torch.float32`` (raised before
             anything is built); or the ranks built different batches ("rank 1 built a
-            different batch: input_ids differ; ... seed your batch_factory"), raised on every
-            rank before the model under test is cast.
+            different batch: input_ids differ; ... seed your batch_factory") or keep plans,
+            raised on every rank before the model under test is cast.
     """
     master_dtype = validate_master_dtype(master_dtype)
     if cast is default_cast and master_dtype is not None:
@@ -459,12 +461,16 @@ def assert_fp32_keep_contract(
     planned = [step for step in STEPS if step != "load" or check_state_dict]
     agreement = Agreement(mesh, planned)
     device = device_of(mesh)
-    models, _ = agreement.step(
+    models, plans = agreement.step(
         "build",
         lambda: _build_models(
             model_factory, device=device, dtype=dtype, seed=seed, check_state_dict=check_state_dict
         ),
+        plan_account,
     )
+    problem = plan_problem(plans, agreement.ranks) if plans else None
+    if problem is not None:  # raised on every rank, before anything is cast
+        raise ValueError(problem)
     findings: list[Finding] = []
     notes: list[str] = []
     seen: dict[str, str] = {}

@@ -198,9 +198,13 @@ def _first_floating(value: Any) -> torch.Tensor | None:
     return None
 
 
-def _logits_and_loss(
-    output: Any, loss_fn: Callable[[Any], torch.Tensor] | None
+def logits_and_loss(
+    output: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output's logits (its ``logits``, else its first floating tensor) and the loss the
+    backward starts from: ``loss_fn(output)``, else the output's ``loss``, else the mean square
+    of the logits (a model without labels, or without a loss at all; the square, because the
+    plain mean of a softmax output is a constant, whose gradient is zero)."""
     logits = getattr(output, "logits", None)
     if not isinstance(logits, torch.Tensor):
         logits = _first_floating(output)
@@ -307,7 +311,7 @@ class Pass:
             fp32keep.observe_parameter_use(self.model) as used,
             _context(self._autocast, self._device, self._dtype),
         ):
-            _logits_and_loss(_call(self.model, self.batch), self._loss_fn)
+            logits_and_loss(_call(self.model, self.batch), self._loss_fn)
         random.setstate(python_state)
         return used
 
@@ -320,7 +324,7 @@ class Pass:
                 _context(self._autocast, self._device, self._dtype),
             ):
                 output = _call(self.model, self.batch)
-                self._logits, self._loss = _logits_and_loss(output, self._loss_fn)
+                self._logits, self._loss = logits_and_loss(output, self._loss_fn)
         except BaseException:
             self.probe.detach()
             raise

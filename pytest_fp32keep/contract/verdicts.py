@@ -12,9 +12,10 @@ ranks (:func:`crash_findings`); the steps that need the crashed one are not run
 (:data:`NEEDS`). A refusal by design (:class:`fp32keep.KeepLayoutError` raised on every rank)
 is re-raised instead: it is the contract's documented answer to a layout FSDP2 cannot hold.
 
-It also owns the batch check: each rank's batch is fingerprinted (:func:`batch_fingerprint`:
-shapes, dtypes and bytes, hashed per entry) and sent with the ``batch`` step's agreement;
-:func:`batch_problem` names the entries that differ from rank 0's.
+It also owns the plan check (each rank's keep plan digest, sent with the ``build`` step's
+agreement: :func:`plan_problem`) and the batch check: each rank's batch is fingerprinted
+(:func:`batch_fingerprint`: shapes, dtypes and bytes, hashed per entry) and sent with the
+``batch`` step's agreement; :func:`batch_problem` names the entries that differ from rank 0's.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from fp32keep import KeepLayoutError
+from fp32keep.constructed import plan_divergence
 from pytest_fp32keep.contract.report import Finding
 
 T = TypeVar("T")
@@ -269,6 +271,21 @@ def batch_fingerprint(batch: Any) -> dict[str, str]:
         if not isinstance(batch, torch.Tensor)
         else dict(_entries(batch, "batch"))
     )
+
+
+def plan_account(models: Any) -> tuple[str, tuple[str, ...]]:
+    """What a rank shares of its built models' keep plan: its digest and unobserved notes."""
+    return models.plan.digest(), models.plan.unobserved
+
+
+def plan_problem(accounts: Sequence[object], ranks: Sequence[int]) -> str | None:
+    """The message naming the ranks whose keep plan differs from the first rank's (and what
+    each rank could not observe), or None (:func:`fp32keep.constructed.plan_divergence`)."""
+    rows = []
+    for rank, account in zip(ranks, accounts, strict=True):
+        assert isinstance(account, tuple)
+        rows.append((rank, *account))
+    return plan_divergence("assert_fp32_keep_contract", rows)
 
 
 def batch_problem(fingerprints: Sequence[object], ranks: Sequence[int]) -> str | None:

@@ -145,6 +145,9 @@ class Channel:
         self.sock = sock
         self._send_lock = threading.Lock()
         self._corked = False  # a coalesced message is held back by the kernel
+        # TCP_CORK, until the socket refuses it once (no TCP socket: a test's socketpair); then
+        # None, so that it is not asked again for every coalesced message.
+        self._cork_option: int | None = _CORK
         self._decoder = FrameDecoder()
         self._pending: list[Message] = []
 
@@ -168,12 +171,13 @@ class Channel:
                 self._cork(False)  # sends what was held and this frame, together
 
     def _cork(self, on: bool) -> None:
-        if _CORK is None:
-            return
+        if self._cork_option is None:
+            return  # every frame goes at once
         try:
-            self.sock.setsockopt(socket.IPPROTO_TCP, _CORK, int(on))
+            self.sock.setsockopt(socket.IPPROTO_TCP, self._cork_option, int(on))
         except OSError:
-            on = False  # not a TCP socket (a test's socketpair): every frame goes at once
+            self._cork_option = None  # refused once, refused always: not asked again
+            on = False
         self._corked = on
 
     def receive(self) -> Message:

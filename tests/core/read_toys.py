@@ -14,6 +14,10 @@ reads their source.
   its own) and the root calls it.
 * :class:`SubtreeCallingRoot`: calls ``self.decoder.extra(h)``, a ``Sequential`` inside the
   decoder's unit that owns no parameter itself (its ``Linear`` does).
+* :class:`HeadForwardRoot`: as :class:`HeadCallingRoot`, through ``self.decoder.head.forward(h)``
+  (an explicit ``.forward``: what counts is the module it runs, the head).
+* :class:`ChildForwardRoot`: runs its own child head, a unit, through ``self.head.forward(h)``:
+  ``.forward`` skips the module's hooks, FSDP2's all-gather among them, so the head runs sharded.
 * :class:`InspectingRoot`: calls its child head, and only inspects a weight inside the decoder's
   unit (``isinstance``, ``.dtype``): what works on a sharded parameter too, so not a use.
 * :class:`ProjReadingStack`: an attention owning only kept ``sinks`` (an owner unit, its
@@ -110,6 +114,21 @@ class SubtreeCallingRoot(ChildCallingRoot):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.decoder.extra(self.hidden(ids)))  # type: ignore[no-any-return]
+
+
+class HeadForwardRoot(HeadReadingRoot):
+    """Runs the head inside the decoder's unit from the root through ``.forward(...)``."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.decoder.head.forward(self.hidden(ids))  # type: ignore[no-any-return]
+
+
+class ChildForwardRoot(ChildCallingRoot):
+    """Runs its child head, a unit of its own, through ``.forward(...)``: not a call, as FSDP2
+    sees it (its hooks run in ``__call__``), so the head is never all-gathered."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head.forward(self.hidden(ids))  # type: ignore[no-any-return]
 
 
 class InspectingRoot(ChildCallingRoot):

@@ -18,7 +18,9 @@ from fp32keep.layout import Layout
 from tests.core.read_toys import (
     CalledHeadReadingRoot,
     ChildCallingRoot,
+    ChildForwardRoot,
     HeadCallingRoot,
+    HeadForwardRoot,
     HeadReadingRoot,
     InspectingRoot,
     ProjReadingStack,
@@ -90,6 +92,30 @@ def test_a_call_from_outside_of_a_module_inside_the_unit_is_refused(observed: bo
     evidence = "<root>.forward > decoder.head.__call__" if observed else "(decoder.head(...);"
     assert evidence in text
     assert "Fix: the call gathers nothing, as 'decoder.head' is no unit" in text
+
+
+@pytest.mark.parametrize("observed", [False, True], ids=["source", "observed"])
+def test_an_explicit_forward_of_a_module_inside_the_unit_is_refused(observed: bool) -> None:
+    # self.decoder.head.forward(h): the module it runs is the head (the source scan took the
+    # chain for a call of a module 'decoder.head.forward', which owns nothing, and missed it).
+    error = refusal(HeadForwardRoot(), observed=observed)
+    assert [(p.fqn, p.reason) for p in error.problems] == [
+        ("decoder.head.weight", "read-not-called")
+    ]
+    source = "(decoder.head.forward(...);"
+    evidence = "<root>.forward > decoder.head.forward" if observed else source
+    assert evidence in flat(error)
+
+
+def test_an_explicit_forward_of_a_units_own_module_is_refused() -> None:
+    # self.head.forward(h), head a unit of its own: .forward skips the module's hooks, where
+    # FSDP2 all-gathers, so the head runs sharded (a call, self.head(h), is the control).
+    error = refusal(ChildForwardRoot(), observed=False)
+    assert [(p.fqn, p.reason) for p in error.problems] == [("head.weight", "read-not-called")]
+    text = flat(error)
+    assert "(head.forward(...); called in ChildForwardRoot.forward())" in text
+    assert "Fix: call 'head' itself, not its .forward" in text
+    assert layout(ChildCallingRoot(), observed=False).units  # the call is accepted
 
 
 @pytest.mark.parametrize("observed", [False, True], ids=["source", "observed"])

@@ -76,6 +76,40 @@ def test_a_coalesced_message_waits_for_the_next_and_both_arrive_together(
     assert receiver.read_available() == [setup, call, done]
 
 
+class _CountingSocket:
+    """A socket whose ``setsockopt`` calls are counted (a real socket's cannot be patched)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.calls = sock, 0
+
+    def setsockopt(self, *args: Any) -> None:
+        self.calls += 1
+        self.sock.setsockopt(*args)
+
+    def sendall(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+
+def test_a_socket_that_refuses_to_cork_is_asked_once_not_for_every_message() -> None:
+    # A socketpair is no TCP socket: setsockopt(TCP_CORK) raises. Each coalesced message asked
+    # it again before; the refusal is now remembered, and every frame goes at once.
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        counting = _CountingSocket(ours)
+        channel = protocol.Channel(counting)  # type: ignore[arg-type]
+        at_start = counting.calls  # TCP_NODELAY, tried once
+        messages = [protocol.report(NODEID, {"when": str(i)}) for i in range(5)]
+        for message in messages:
+            channel.send(message, coalesce=True)
+        channel.send(protocol.done(NODEID, []))
+        assert counting.calls - at_start == int(hasattr(socket, "TCP_CORK"))
+        received: list[protocol.Message] = []
+        decoder = protocol.FrameDecoder()
+        while len(received) < len(messages) + 1:
+            received += decoder.feed(theirs.recv(65536))
+        assert received == [*messages, protocol.done(NODEID, [])]  # nothing held back
+
+
 @needs_cork
 def test_a_coalesced_message_is_not_lost_when_the_sender_goes_away(
     tcp_pair: tuple[protocol.Channel, protocol.Channel],

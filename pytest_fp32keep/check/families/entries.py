@@ -32,6 +32,7 @@ from pytest_fp32keep.check.families.refusals import REFUSALS, WRITTEN_IN
 from pytest_fp32keep.check.families.shrink import tiny_config
 from pytest_fp32keep.check.zoo import ZOO, ZooEntry
 from pytest_fp32keep.check.zoo.building import build_seeded, seed_query_tokens
+from pytest_fp32keep.contract.steps import logits_and_loss
 
 #: A shrunk model above this many parameters was not shrunk (a size field this module does not
 #: know): not buildable, rather than a slow check.
@@ -43,8 +44,9 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 class Probe(NamedTuple):
-    """Whether a family builds: its entry (``None`` when it is not checked) or the reason, and
-    what kind of reason (``not buildable``, or ``not runnable``: :data:`.overrides.STOCHASTIC`)."""
+    """Whether a family builds: its entry and no reason (``kind`` is ``buildable``), or no entry
+    and the reason, which is never ``None`` then, and its kind: ``not buildable``, or ``not
+    runnable`` (:data:`.overrides.STOCHASTIC`)."""
 
     entry: ZooEntry | None
     reason: str | None
@@ -224,13 +226,12 @@ def probe(family: str) -> Probe:
         batch = entry.make_batch(model, 0)
         stage = "forward"
         output = model(**batch)
-        loss = getattr(output, "loss", None)
-        if loss is None:  # the contract's default loss for a model without labels
-            loss = output[0].float().mean()
+        stage = "loss"  # the contract's own (the mean square of the logits without a loss)
+        _, loss = logits_and_loss(output)
         stage = "backward"
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
     except Exception as error:  # any failure of one family is that family's row
         return Probe(None, _reason(stage, error))
     if family in STOCHASTIC:  # it runs, but no two runs agree: nothing to compare
         return Probe(None, f"random forward: {STOCHASTIC[family]}", "not runnable")
-    return Probe(entry, None)
+    return Probe(entry, None, "buildable")

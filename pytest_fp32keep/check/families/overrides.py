@@ -65,6 +65,11 @@ OVERRIDES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
             "post_conv_out_channels": 32,
             "vision_config": {"output_channels": 32},
         },
+        # Its head decodes max_text_length + 1 steps, as SLANeXt's does (above). Its config has
+        # no image_size (its PPLCNet backbone is convolutional: any size runs), so the batch
+        # would have no pixels (vision.whole_image_size) and its forward no input. At 64 its
+        # deepest map (stride 32: the stem and four stride-2 stages) is 2 x 2, not one pixel.
+        "slanet": {"max_text_length": 4, "image_size": 64},
         # The whole OCR model's SAM encoder: its neck width (output_channels, 256) and its
         # downsampling convs' channels (a list, [512, 896], whose last entry is the vision
         # encoder's default width) are not size fields elsewhere: 6 M parameters unshrunk, so
