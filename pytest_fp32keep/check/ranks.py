@@ -24,6 +24,9 @@ it happens. Two things are handled here instead:
   warning, and every other line a rank writes, is printed as before. Recording in the rank
   rather than filtering the text in the parent keeps the match exact (category and message,
   not a line of text that a rank's other output could interleave with) and the output live.
+* known noise on stdout: torch 2.9's gloo prints "[Gloo] Rank 0 is connected to 1 peer ranks.
+  ..." from C++ for every process group it connects; each rank drops exactly that line from
+  its own stdout, the rest passing through live (:mod:`pytest_fp32keep.check.rank_output`).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from fp32keep import KeepLayoutError
+from pytest_fp32keep.check.rank_output import GlooConnectedLines
 from pytest_fp32keep.check.rank_verdicts import merge_case
 from pytest_fp32keep.check.render import progress_line
 from pytest_fp32keep.check.targets import Target, resolve_targets
@@ -227,6 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     """Run the cases in ``SPEC`` (JSON) and write the results to ``OUT`` (JSON, rank 0)."""
     spec_path, out_path = (argv if argv is not None else sys.argv[1:])[:2]
     spec = json.loads(Path(spec_path).read_text())
+    with GlooConnectedLines():  # every process group gloo connects, the contract's included
+        _run(spec, out_path)
+    return 0
+
+
+def _run(spec: dict[str, Any], out_path: str) -> None:
     device = _init()
     targets, _ = resolve_targets(spec["targets"], spec.get("batch"))
     runs = [
@@ -265,7 +275,6 @@ def main(argv: list[str] | None = None) -> int:
     gc.collect()  # FSDP2 modules sit in cycles: free them before the group (see rank_session)
     dist.barrier()  # every rank done with its last collective before the group goes away
     dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from typing import Final
 
 from pytest_fp32keep.runner import protocol
 from pytest_fp32keep.runner.processes import TorchrunProcess
+from pytest_fp32keep.runner.waits import flight_recorder_environment
 
 #: Bound on one blocking send to a rank (a request is a few hundred bytes).
 SEND_TIMEOUT_S: Final = 10.0
@@ -146,6 +147,7 @@ class RankGroup:
                 "PYTEST_ADDOPTS": "",
             }
         )
+        flight_recorder_environment(env)  # the ranks' watch needs it (torch 2.9: off by default)
         process = TorchrunProcess.spawn(
             spec.nproc,
             "pytest_fp32keep.runner.rank_session",

@@ -34,6 +34,13 @@ The rank's ``ready`` message says whether the recorder works here at all
 (:func:`flight_recorder_works`); where it does not (``TORCH_FR_BUFFER_SIZE=0``), the controller
 keeps judging that rank by its CPU time.
 
+The recorder's size comes from the environment, read once per process, and its default differs
+between torch releases: 2000 entries in torch 2.13 and 2.14, 0 (nothing recorded, gloo's
+collectives included) in torch 2.9 (``torch/csrc/distributed/c10d/FlightRecorder.hpp``). So the
+launcher gives the ranks torch 2.13's default where the user set neither of torch's size
+variables (:func:`flight_recorder_environment`), and the watch works the same on every torch;
+a size the user chose, ``0`` included, is kept.
+
 torch is imported only when the watch is made, after the process group is initialised.
 """
 
@@ -46,7 +53,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from types import FrameType
 from typing import Any, Final
 
@@ -60,6 +67,18 @@ WATCH_THREAD_FUNCTION: Final = "_watch_main_thread"
 
 #: The Flight Recorder's JSON dumps: the generic one (gloo, CPU) and NCCL's, where built.
 _DUMPS: Final = ("_dump_fr_trace_json", "_dump_nccl_trace_json")
+#: torch's variables for the Flight Recorder's size, the name it prefers first (torch reads both,
+#: and the first one set wins).
+FLIGHT_RECORDER_SIZE_VARIABLES: Final = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+#: The size the ranks get where the user set none: torch 2.13's default (torch 2.9's is 0).
+FLIGHT_RECORDER_ENTRIES: Final = 2000
+
+
+def flight_recorder_environment(env: MutableMapping[str, str]) -> None:
+    """Give the ranks' environment ``env`` a Flight Recorder of :data:`FLIGHT_RECORDER_ENTRIES`
+    entries, unless it names a size already (the user's choice, ``0`` included, is kept)."""
+    if not any(name in env for name in FLIGHT_RECORDER_SIZE_VARIABLES):
+        env[FLIGHT_RECORDER_SIZE_VARIABLES[0]] = str(FLIGHT_RECORDER_ENTRIES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +137,9 @@ def flight_recorder_works() -> bool:
     """Whether torch's Flight Recorder records this rank's collectives (one barrier to see).
 
     Called once, right after the default process group is made, on every rank (the barrier is
-    a collective). False with the recorder switched off (``TORCH_FR_BUFFER_SIZE=0``) or on a
-    torch without it.
+    a collective). False with the recorder switched off (``TORCH_FR_BUFFER_SIZE=0``, torch 2.9's
+    default where :func:`flight_recorder_environment` did not set the size) or on a torch
+    without it.
     """
     import torch.distributed as dist
 

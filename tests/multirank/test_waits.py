@@ -23,7 +23,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
-from pytest_fp32keep.runner.waits import WATCH_POLL_S, Blocked, BlockedSampler
+from pytest_fp32keep.runner.waits import (
+    WATCH_POLL_S,
+    Blocked,
+    BlockedSampler,
+    flight_recorder_works,
+)
 
 pytestmark = pytest.mark.fsdp2(nproc=2)
 
@@ -113,6 +118,12 @@ def test_a_blocking_collective_is_seen_as_torch_distributed(fsdp2_rank: int) -> 
         assert all(blocked.group_ranks is None for _, blocked in found)  # not known from a frame
     else:
         assert found == []  # asleep in its own code, not blocked in communication
+
+
+def test_the_flight_recorder_records_the_ranks_collectives(fsdp2_rank: int) -> None:
+    """On every torch: torch 2.9's recorder is off unless sized, and the launcher sizes it
+    (``flight_recorder_environment``); without that, the check below sees nothing on 2.9."""
+    assert flight_recorder_works()
 
 
 def test_async_work_waited_on_in_the_tests_own_code_is_seen_by_the_flight_recorder(

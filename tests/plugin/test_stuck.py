@@ -16,7 +16,7 @@ from pytest_fp32keep.runner.stuck import (
     Departure,
     judge_blocked,
 )
-from pytest_fp32keep.runner.waits import Blocked, _Recorder
+from pytest_fp32keep.runner.waits import Blocked, _Recorder, flight_recorder_environment
 
 ALL_REDUCE = "gloo:all_reduce (collective #7 of process group '0')"
 RECV = "recv (torch/distributed/distributed_c10d.py:2700)"
@@ -129,3 +129,16 @@ def test_a_completed_collective_is_not_reported_where_the_thread_stands_next() -
     # negative control: asked as if it were the same stall, the recorder repeats its old answer
     assert recorder.pending(T0 - 1, fresh=False) == waiting
     assert recorder.pending(T0 - 1, fresh=True) is None  # somewhere new: read again, retired
+
+
+def test_the_ranks_get_a_flight_recorder_unless_the_user_sized_it() -> None:
+    """torch 2.9 records nothing by default (size 0), torch 2.13 2000 entries: the launcher
+    gives the ranks 2000 where neither of torch's size variables is set, and keeps any size the
+    user set, under either name (0 switches the recorder, and so the watch, off)."""
+    env: dict[str, str] = {"PATH": "/bin"}
+    flight_recorder_environment(env)
+    assert env == {"PATH": "/bin", "TORCH_FR_BUFFER_SIZE": "2000"}
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        chosen = {name: "0"}
+        flight_recorder_environment(chosen)
+        assert chosen == {name: "0"}
