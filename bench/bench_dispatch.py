@@ -38,8 +38,10 @@ left out of "warm". pytest's own per-test durations (JUnit ``time``) are shown b
 torchrun arm's per-test figure is the wall time of its torchrun. Totals are wall time from
 spawning the command to its exit. The same conftest records each process's CPU time
 (``time.process_time()``) at every mark, in the user's pytest process and in every rank that
-loads it; the floor records it per iteration. CPU time per test does not grow while a process
-waits for a busy core, so it is the load-independent figure of the plugin's own work.
+loads it; the floor records it per iteration. CPU time does not count waiting for a busy core,
+so it moves less with load than wall time; it still moves (shared caches and cores: the same
+code's parent CPU per empty test ranged 0.6-1.4 ms over runs on the loaded 2-core machine), so
+arms are compared within one run.
 """
 
 from __future__ import annotations
@@ -616,8 +618,8 @@ def _report(result: BenchResult, rounds: Sequence[Round], torchrun: ArmResult) -
     result.notes.append(
         "Differences are taken within a round (the arms of one round meet similar load) and "
         "their median over rounds is the figure; the min–max over rounds says how much the load "
-        "moved it. CPU times do not depend on waiting for a busy core and are the steadier "
-        "measure of the plugin's own work."
+        "moved it. CPU times leave out waiting for a busy core and move less with load; they "
+        "still move (shared caches and cores), so compare them within this run."
     )
     result.notes.append(
         "The floor runs the body with no test runner in ranks that stay up: per test, nothing "
@@ -670,8 +672,8 @@ def _cpu_table(runs: dict[str, list[ArmResult]]) -> Table:
     table = Table(
         "CPU time per warm test, ms (`time.process_time()` of each process, every thread, from "
         "one test's logstart to the next one's; the floor: barrier to barrier), medians over "
-        "every round's warm tests. Waiting for a busy core costs no CPU time, so these hold "
-        "under load better than wall times.",
+        "every round's warm tests. Waiting for a busy core costs no CPU time, so these move "
+        "less with load than wall times (they still move: compare arms within one run).",
         ["arm", "user's pytest process", *processes[1:]],
     )
     for label in ("plugin", "in_ranks", "floor"):
