@@ -9,6 +9,8 @@ arm and only the way ranks are started and fed differs:
 
 The second form is the floor: the body ``COUNT`` times in one pair of ranks that stay up, with
 no test runner at all, each iteration timed from a barrier to a barrier (the slower rank's time).
+``OUT.json`` gets ``{"seconds": [...], "cpu": [[rank 0's], [rank 1's]]}``: per iteration the wall
+time and each rank's process CPU time (``time.process_time()``, every thread of the rank).
 """
 
 from __future__ import annotations
@@ -62,19 +64,22 @@ def tiny_fsdp2_step(index: int, mesh: Any = None) -> float:
     return float(loss.item())
 
 
-def body_loop(count: int) -> list[float]:
-    """Seconds per iteration of the body in ranks that stay up (barrier to barrier)."""
+def body_loop(count: int) -> tuple[list[float], list[float]]:
+    """Wall seconds per iteration of the body in ranks that stay up (barrier to barrier), and
+    this rank's CPU seconds for each."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     seconds: list[float] = []
+    cpu: list[float] = []
     for index in range(count):
         dist.barrier()
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         tiny_fsdp2_step(index, mesh)
         dist.barrier()
         seconds.append(time.perf_counter() - started)
-    return seconds
+        cpu.append(time.process_time() - cpu_started)
+    return seconds, cpu
 
 
 def main(argv: list[str]) -> int:
@@ -83,10 +88,12 @@ def main(argv: list[str]) -> int:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     try:
         if argv[:1] == ["--loop"]:
-            seconds = body_loop(int(argv[1]))
+            seconds, cpu = body_loop(int(argv[1]))
+            every_cpu: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(every_cpu, cpu)
             if dist.get_rank() == 0:
                 with open(argv[2], "w", encoding="utf-8") as handle:
-                    json.dump(seconds, handle)
+                    json.dump({"seconds": seconds, "cpu": every_cpu}, handle)
         else:
             tiny_fsdp2_step(int(argv[0]) if argv else 0)
         gc.collect()  # free FSDP2's reference cycles while the group lives (see rank_session)

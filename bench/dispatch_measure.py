@@ -38,23 +38,25 @@ TIMING_CONFTEST = """
 import json, os, time
 from pathlib import Path
 
+# One mark per event: [kind, nodeid, wall (perf_counter), this process's CPU (process_time)].
+# The user's pytest process writes marks.json; each rank of the plugin (torchrun sets RANK)
+# writes marks-rank<RANK>.json, so per-test CPU time is known for the parent and every rank.
 _marks = []
+_rank = os.environ.get("RANK")
 
 
 def pytest_runtest_logstart(nodeid, location):
-    if "RANK" not in os.environ:
-        _marks.append(["start", nodeid, time.perf_counter()])
+    _marks.append(["start", nodeid, time.perf_counter(), time.process_time()])
 
 
 def pytest_runtest_logfinish(nodeid, location):
-    if "RANK" not in os.environ:
-        _marks.append(["finish", nodeid, time.perf_counter()])
+    _marks.append(["finish", nodeid, time.perf_counter(), time.process_time()])
 
 
 def pytest_unconfigure(config):
-    if "RANK" not in os.environ:
-        _marks.append(["end", "", time.perf_counter()])
-        (Path(__file__).parent / "marks.json").write_text(json.dumps(_marks))
+    _marks.append(["end", "", time.perf_counter(), time.process_time()])
+    name = "marks.json" if _rank is None else f"marks-rank{_rank}.json"
+    (Path(__file__).parent / name).write_text(json.dumps(_marks))
 """
 
 MARKED_TESTS = """
@@ -115,8 +117,8 @@ def measure_plugin(workdir: Path, count: int, warmup: int, isolated: bool) -> di
     if completed.returncode != 0:
         raise SystemExit(f"inner pytest failed:\n{completed.stdout}\n{completed.stderr}")
     marks = json.loads((project / "marks.json").read_text())
-    starts = [t for kind, _, t in marks if kind == "start"]
-    finishes = [t for kind, _, t in marks if kind == "finish"]
+    starts = [t for kind, _, t, _ in marks if kind == "start"]
+    finishes = [t for kind, _, t, _ in marks if kind == "finish"]
     # Per test: from its logstart to the next test's logstart (or its own logfinish for the
     # last): everything the loop spends on one test, reporting included.
     per_test = [b - a for a, b in zip(starts, [*starts[1:], finishes[-1]], strict=True)]

@@ -22,11 +22,12 @@ Rules (each one a promise of the issue):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import math
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final, Literal
 
 import pytest
@@ -47,25 +48,47 @@ PHASES: Final[tuple[Phase, ...]] = ("setup", "call", "teardown")
 
 @dataclasses.dataclass(frozen=True)
 class ItemInfo:
-    """What a report needs to know about the parent's item."""
+    """What a report needs to know about the parent's item.
+
+    ``where`` gives the file and 1-based line a failure or skip report points at. It is a call,
+    made at most once and only when such a report is built: pytest's ``reportinfo`` looks the
+    test function up again on every call (``item.location``, which every test needs, caches its
+    own call but not this one), and most tests pass.
+    """
 
     nodeid: str
     location: tuple[str, int | None, str]
     keywords: dict[str, Literal[1]]
-    path: str
-    lineno: int
+    where: Callable[[], tuple[str, int]] = dataclasses.field(repr=False, compare=False)
 
     @classmethod
     def from_item(cls, item: pytest.Item) -> ItemInfo:
         """Capture the parent's view of ``item`` (rank reports are rebuilt on it)."""
-        path, lineno = item.reportinfo()[:2]
+
+        def where() -> tuple[str, int]:
+            path, lineno = item.reportinfo()[:2]
+            return os.fspath(path), (lineno or 0) + 1
+
         return cls(
             nodeid=item.nodeid,
             location=item.location,
             keywords=dict.fromkeys(item.keywords, 1),
-            path=os.fspath(path),
-            lineno=(lineno or 0) + 1,
+            where=where,
         )
+
+    @functools.cached_property
+    def _place(self) -> tuple[str, int]:
+        return self.where()
+
+    @property
+    def path(self) -> str:
+        """The file a failure or skip report names."""
+        return self._place[0]
+
+    @property
+    def lineno(self) -> int:
+        """The 1-based line a failure or skip report names."""
+        return self._place[1]
 
 
 @dataclasses.dataclass(frozen=True)

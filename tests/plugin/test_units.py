@@ -14,8 +14,7 @@ INFO = reports.ItemInfo(
     nodeid="test_x.py::test_y",
     location=("test_x.py", 3, "test_y"),
     keywords={"test_y": 1},
-    path="/p/test_x.py",
-    lineno=4,
+    where=lambda: ("/p/test_x.py", 4),
 )
 
 
