@@ -25,7 +25,7 @@ explicit ``dtype=torch.float32`` stays FP32 though no list names it (measured on
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import metadata
@@ -110,6 +110,10 @@ class KeepSemantics:
                 f"a keep-in-fp32 declaration must be a list of module names, got "
                 f"{type(value).__name__}: {value!r}"
             )
+        if isinstance(value, Set):
+            # 5.1+'s post_init folds the lists into sets: their order follows string hashing,
+            # which differs between processes, and the first matching entry is the one credited.
+            return tuple(sorted(str(entry) for entry in value))
         return tuple(str(entry) for entry in value)
 
     def entry_pattern(self, entry: str) -> str:

@@ -107,9 +107,10 @@ class KeepPlan:
         return not self.matches
 
     def digest(self) -> str:
-        """A hash of the dtype and of every kept name with why it is kept: what ranks compare,
-        equal wherever two plans keep the same tensors for the same reasons."""
-        rows = sorted((n, m.list_kind, m.entry, m.via_alias or "") for n, m in self.matches.items())
+        """A hash of the dtype and of every kept name with its list kind: what ranks compare,
+        equal wherever two plans keep the same tensors under the same lists. Which entry is
+        credited with a match is left out: it changes no dtype, only the explanation."""
+        rows = sorted((n, m.list_kind) for n, m in self.matches.items())
         return hashlib.sha256(repr((str(self.dtype), rows)).encode()).hexdigest()
 
     def __contains__(self, fqn: object) -> bool:

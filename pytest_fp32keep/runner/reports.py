@@ -26,7 +26,6 @@ import functools
 import io
 import math
 import os
-import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final, Literal
 
@@ -34,8 +33,7 @@ import pytest
 from _pytest._code.code import ReprFileLocation, TerminalRepr
 from _pytest._io import TerminalWriter
 
-from pytest_fp32keep.runner.tracebacks import hide_library_frames, merge_key
-from pytest_fp32keep.runner.waits import WATCH_THREAD_FUNCTION
+from pytest_fp32keep.runner.tracebacks import condense_stacks, hide_library_frames, merge_key
 
 Phase = Literal["setup", "call", "teardown"]
 
@@ -246,47 +244,6 @@ class RankFailureRepr(TerminalRepr):
                     tw.line(str(entry.longrepr))
             if entry.text:
                 tw.line(entry.text)
-
-
-#: Frames from these files are pytest's and the rank session's machinery, not the test's.
-_MACHINERY: Final = (
-    "/_pytest/",
-    "/pluggy/",
-    "pytest_fp32keep/runner/rank_session.py",
-    "<frozen runpy>",
-)
-
-
-def _is_runner_thread(frame: str) -> bool:
-    """Whether a frame line belongs to one of the threads the rank session starts itself."""
-    line = frame.rstrip()
-    return ("rank_session.py" in line and line.endswith(" in watch")) or (
-        "runner/waits.py" in line and line.endswith(f" in {WATCH_THREAD_FUNCTION}")
-    )
-
-
-def condense_stacks(text: str) -> str:
-    """faulthandler's dump without the noise: the rank's own watchdog thread is dropped, and
-    each thread's stack stops where pytest's machinery begins (the test is above it)."""
-    blocks: list[str] = []
-    for block in re.split(r"\n\s*\n", text.strip()):
-        lines = block.splitlines()
-        if not lines:
-            continue
-        # Thread ids differ between ranks; without them identical stacks merge.
-        header, frames = re.sub(r" 0x[0-9a-f]+", "", lines[0]), lines[1:]
-        if any(_is_runner_thread(frame) for frame in frames):
-            continue  # the rank's own watchdog and watch threads: always there, never interesting
-        kept: list[str] = []
-        for frame in frames:
-            if kept and any(marker in frame for marker in _MACHINERY):
-                kept.append(
-                    f"  ... {len(frames) - len(kept)} frames of pytest and the rank session"
-                )
-                break
-            kept.append(frame)
-        blocks.append("\n".join([header, *kept]))
-    return "\n\n".join(blocks)
 
 
 def _fault_text(fault: RankFault) -> str:

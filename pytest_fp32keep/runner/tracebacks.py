@@ -15,6 +15,8 @@ merges the ranks' failures of one test:
   printed set sorted (set order follows hashes, which differ per process: ``--showlocals``
   prints ``{'b', 'a'}`` on one rank and ``{'a', 'b'}`` on the other), so that tracebacks that
   differ only in those merge into one ("ranks 0,1,2").
+- :func:`condense_stacks` shortens faulthandler's dump of a stopped rank to the test's frames:
+  the rank session's own threads dropped, each stack cut where pytest's machinery begins.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from pathlib import Path
 from typing import Any, Final
 
 from _pytest._code.code import ExceptionChainRepr, ReprEntry, ReprExceptionInfo, ReprTraceback
+
+from pytest_fp32keep.runner.waits import WATCH_THREAD_FUNCTION
 
 #: Folders whose frames a failing rank's traceback does not show (the contract's own code).
 HIDDEN_FOLDERS: Final[tuple[str, ...]] = (
@@ -114,3 +118,44 @@ def merge_key(text: str) -> str:
     return _LOOPBACK_PORT.sub(
         lambda match: f"{match.group(1)}:?" if match.group(1) else f"{match.group(2)}?", text
     )
+
+
+#: Frames from these files are pytest's and the rank session's machinery, not the test's.
+_MACHINERY: Final = (
+    "/_pytest/",
+    "/pluggy/",
+    "pytest_fp32keep/runner/rank_session.py",
+    "<frozen runpy>",
+)
+
+
+def _is_runner_thread(frame: str) -> bool:
+    """Whether a frame line belongs to one of the threads the rank session starts itself."""
+    line = frame.rstrip()
+    return ("rank_session.py" in line and line.endswith(" in watch")) or (
+        "runner/waits.py" in line and line.endswith(f" in {WATCH_THREAD_FUNCTION}")
+    )
+
+
+def condense_stacks(text: str) -> str:
+    """faulthandler's dump without the noise: the rank's own watchdog thread is dropped, and
+    each thread's stack stops where pytest's machinery begins (the test is above it)."""
+    blocks: list[str] = []
+    for block in re.split(r"\n\s*\n", text.strip()):
+        lines = block.splitlines()
+        if not lines:
+            continue
+        # Thread ids differ between ranks; without them identical stacks merge.
+        header, frames = re.sub(r" 0x[0-9a-f]+", "", lines[0]), lines[1:]
+        if any(_is_runner_thread(frame) for frame in frames):
+            continue  # the rank's own watchdog and watch threads: always there, never interesting
+        kept: list[str] = []
+        for frame in frames:
+            if kept and any(marker in frame for marker in _MACHINERY):
+                kept.append(
+                    f"  ... {len(frames) - len(kept)} frames of pytest and the rank session"
+                )
+                break
+            kept.append(frame)
+        blocks.append("\n".join([header, *kept]))
+    return "\n\n".join(blocks)

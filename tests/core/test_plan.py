@@ -7,6 +7,10 @@ resolved as each behaviour group would (``transformers_version=``); the oracle t
 
 from __future__ import annotations
 
+import collections.abc
+import dataclasses
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -307,3 +311,50 @@ def test_what_if_needs_no_installed_transformers(monkeypatch: pytest.MonkeyPatch
     assert plan.param_names == {"a.wo.weight"}
     with pytest.raises(metadata.PackageNotFoundError):  # the default needs the installed one
         resolve_keep_plan(model, FP16)
+
+
+# --- the same plan in every process ----------------------------------------------------------
+
+
+class _InOrder(collections.abc.Set[str]):
+    """A set that iterates in the order given: two of them stand for one set of entries as two
+    processes with different string hashing iterate it (5.1+'s post_init leaves sets)."""
+
+    def __init__(self, entries: list[str]) -> None:
+        self._entries = entries
+
+    def __contains__(self, entry: object) -> bool:
+        return entry in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def test_a_set_of_entries_credits_the_same_entry_whatever_order_it_iterates_in() -> None:
+    # gpt_oss on 5.24: 'norm' and 'input_layernorm' both match 'model.layers.0.input_layernorm'.
+    # Crediting the set's first in iteration order gave two ranks two plans (and their digests
+    # differed, which apply_fsdp2 and the contract refuse).
+    names = ["layers.0.input_layernorm.weight", "norm.weight"]
+    plans = [
+        resolve_keep_plan(
+            model_with_names(names, regular=_InOrder(order)), FP16, transformers_version=GROUP_C
+        )
+        for order in (["norm", "input_layernorm"], ["input_layernorm", "norm"])
+    ]
+    credited = [{n: m.entry for n, m in plan.matches.items()} for plan in plans]
+    assert credited[0] == credited[1]
+    assert plans[0].digest() == plans[1].digest()
+
+
+def test_the_digest_is_what_is_kept_not_which_entry_explains_it() -> None:
+    model = model_with_names(["a.wo.weight", "b.wi.weight"], regular=["wo", "wi"])
+    plan = resolve_keep_plan(model, FP16)
+    recredited = dataclasses.replace(
+        plan, matches={n: dataclasses.replace(m, entry="other") for n, m in plan.matches.items()}
+    )
+    assert recredited.digest() == plan.digest()
+    fewer = dataclasses.replace(plan, matches=dict(list(plan.matches.items())[:1]))
+    assert fewer.digest() != plan.digest()

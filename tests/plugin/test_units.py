@@ -7,7 +7,7 @@ from typing import Literal
 
 import pytest
 
-from pytest_fp32keep.runner import options, reports
+from pytest_fp32keep.runner import options, reports, tracebacks
 from pytest_fp32keep.runner.launcher import parse_torchrun_failures
 
 INFO = reports.ItemInfo(
@@ -103,7 +103,7 @@ Current thread 0x00007f384df1eb80 (most recent call first):
   File "/x/_pytest/python.py", line 187 in pytest_pyfunc_call
   File "/x/pluggy/_callers.py", line 103 in _multicall
 """
-    assert reports.condense_stacks(dump) == (
+    assert tracebacks.condense_stacks(dump) == (
         "Current thread (most recent call first):\n"
         '  File "/x/torch/distributed/distributed_c10d.py", line 3252 in all_reduce\n'
         '  File "/t/test_f.py", line 9 in test_it\n'
