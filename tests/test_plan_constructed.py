@@ -237,28 +237,35 @@ def test_a_repeated_plan_does_not_rebuild() -> None:
 def test_a_repeated_plan_does_not_serialise_its_config_but_notices_changes_in_place(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The cache key is the config's JSON; serialising it on every plan cost more than the rest
-    of a cached answer. A config seen before, in the same state, is not serialised again; one
-    changed in place, even deep inside (a list appended to), is, and observed anew."""
+    """Serialising the config for the cache key on every plan cost more than the rest of a
+    cached answer: the key is a snapshot of the config's attributes, and the config is not
+    serialised at all. A config seen before, in the same state, is not rebuilt again; one
+    changed in place, even deep inside (a list appended to), is observed anew."""
     clear_cache()
     model = toy()
     model.config.extra = {"sections": [1]}
-    calls = 0
-    to_json = ToyConfig.to_json_string
+    serialised = rebuilt = 0
+    to_json, observe = ToyConfig.to_json_string, fp32keep.constructed._observe
 
-    def counting(self: Any, *args: Any, **kwargs: Any) -> str:
-        nonlocal calls
-        calls += 1
+    def counting_json(self: Any, *args: Any, **kwargs: Any) -> str:
+        nonlocal serialised
+        serialised += 1
         return str(to_json(self, *args, **kwargs))
 
-    monkeypatch.setattr(ToyConfig, "to_json_string", counting)
+    def counting_observe(*args: Any) -> dict[str, str]:
+        nonlocal rebuilt
+        rebuilt += 1
+        return observe(*args)
+
+    monkeypatch.setattr(ToyConfig, "to_json_string", counting_json)
+    monkeypatch.setattr(fp32keep.constructed, "_observe", counting_observe)
     resolve_keep_plan(model, torch.bfloat16)
-    assert calls == 1
+    assert (serialised, rebuilt) == (0, 1)
     resolve_keep_plan(model, torch.bfloat16)
-    assert calls == 1  # the same config, unchanged: its JSON is reused
+    assert (serialised, rebuilt) == (0, 1)  # the same config, unchanged: the cached answer
     model.config.extra["sections"].append(2)
     resolve_keep_plan(model, torch.bfloat16)
-    assert calls == 2  # changed in place, deep inside: serialised again
+    assert (serialised, rebuilt) == (0, 2)  # changed in place, deep inside: observed anew
     model.config.fail = True
     with pytest.warns(RuntimeWarning, match="this toy refuses to be rebuilt"):
         assert resolve_keep_plan(model, torch.bfloat16).is_empty  # a new key, observed anew
@@ -292,3 +299,37 @@ def test_reformers_axial_position_weights_are_what_from_pretrained_keeps(
     assert oracle.kept, "from_pretrained keeps the axial position weights"
     assert plan.names & oracle.persistent == oracle.kept, plan.describe()
     assert ignoring_construction(fresh, dtype).names & oracle.persistent != oracle.kept
+
+
+def test_a_config_the_snapshot_cannot_take_is_keyed_by_its_json(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An attribute of another kind (an object, not a config, dict, list or scalar): the key
+    falls back to the config's JSON, serialised every call, still cached and still noticing a
+    change."""
+    clear_cache()
+    model = toy()
+
+    class Opaque:
+        def __init__(self, value: int) -> None:
+            self.value = value
+
+        def __repr__(self) -> str:  # what the JSON carries of it
+            return f"Opaque({self.value})"
+
+    model.config.opaque = Opaque(1)
+    rebuilt = 0
+    observe = fp32keep.constructed._observe
+
+    def counting_observe(*args: Any) -> dict[str, str]:
+        nonlocal rebuilt
+        rebuilt += 1
+        return observe(*args)
+
+    monkeypatch.setattr(fp32keep.constructed, "_observe", counting_observe)
+    monkeypatch.setattr(ToyConfig, "to_json_string", lambda self, **_: repr(vars(self)))
+    first = resolve_keep_plan(model, torch.bfloat16)
+    assert resolve_keep_plan(model, torch.bfloat16).names == first.names and rebuilt == 1
+    model.config.opaque.value = 2
+    resolve_keep_plan(model, torch.bfloat16)
+    assert rebuilt == 2

@@ -16,10 +16,10 @@ persistent buffers that come out FP32. Non-persistent buffers are left out: they
 model code alone decides their dtype (rotary ``inv_freq``).
 
 Pure with respect to the model in hand: it is only read (its class and config). Results are
-cached per (class, config content, dtype): the config is serialised for the key, so a config
-changed in place is a new key, never a stale answer. Serialising costs more than the rest of a
-cached answer, so the same config object in the same state (a snapshot of its attributes,
-nested, compared by value) reuses the JSON it gave last time.
+cached per (class, config content, dtype): the content is a snapshot of the config's attributes,
+nested, compared by value (its JSON where something in it cannot be compared that way), so a
+config changed in place is a new key, never a stale answer; serialising every call cost more
+than the rest of a cached answer.
 
 A rebuild that fails for the process's own environment (:data:`LOCAL_ERRORS`: a file, memory,
 an import) can fail on one rank only, and that rank's plan then misses what the others keep.
@@ -30,12 +30,10 @@ compare their plans' digests: :func:`plan_divergence` is the error every rank ra
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import inspect
 import threading
 import warnings
-import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
@@ -121,38 +119,22 @@ def constructed_fp32(module: nn.Module, dtype: torch.dtype) -> Construction:
 
 
 def _cache_key(cls: type, config: Any, dtype: torch.dtype) -> tuple[Any, ...] | None:
-    content = _content(config)
-    return None if content is None else (cls, type(config), content, dtype)
-
-
-#: ``id(config)`` -> (a weak reference to it, :func:`_state` of it, its JSON): the JSON of a
-#: config seen before and unchanged since, without serialising it again (the cache key's cost).
-_CONTENTS: dict[int, tuple[weakref.ref[Any], Any, str]] = {}
-#: How deep :func:`_state` follows nested configs, dicts and lists before it gives up.
-_STATE_DEPTH = 8
-
-
-def _content(config: Any) -> str | None:
-    """``config.to_json_string(use_diff=False)``, or ``None`` when it cannot be serialised (then
-    observed every time, never cached); taken from :data:`_CONTENTS` when the same config object
-    is in the same state (:func:`_state`) as when it was serialised, so a config changed in place
-    is serialised anew."""
+    """(class, config type, the config's content, dtype), or ``None`` when the content cannot be
+    taken (then observed every time, never cached). The content is a snapshot of the config's
+    attributes (:func:`_state`): cheap, and a config changed in place gives a new key; where the
+    snapshot cannot be taken, its JSON (``to_json_string(use_diff=False)``) instead."""
     state = _state(config, _STATE_DEPTH)
-    seen = _CONTENTS.get(id(config))
-    if state is not None and seen is not None and seen[0]() is config and seen[1] == state:
-        return seen[2]
+    if state is not None:
+        return (cls, type(config), state, dtype)
     try:
         content: str = config.to_json_string(use_diff=False)
     except Exception:
         return None
-    if state is not None:
-        with contextlib.suppress(TypeError):  # not weakly referable: serialised every call
-            _CONTENTS[id(config)] = (weakref.ref(config, _forget(id(config))), state, content)
-    return content
+    return (cls, type(config), content, dtype)
 
 
-def _forget(key: int) -> Any:
-    return lambda _: _CONTENTS.pop(key, None)
+#: How deep :func:`_state` follows nested configs, dicts and lists before it gives up.
+_STATE_DEPTH = 8
 
 
 class _Uncomparable(Exception):
@@ -164,7 +146,7 @@ _SCALARS = (str, int, float, bool, type(None), torch.dtype)
 
 
 def _state(value: Any, depth: int) -> Any:
-    """A comparable snapshot of ``value``: its attributes (a config: its ``__dict__``), dict
+    """A hashable snapshot of ``value``: its attributes (a config: its ``__dict__``), dict
     items and list entries, nested; ``None`` when something in it cannot be compared that way
     (too deep, or an object of another kind: the JSON is then taken every time)."""
     try:
@@ -263,7 +245,6 @@ def plan_divergence(where: str, accounts: Sequence[tuple[int, str, tuple[str, ..
 def clear_cache() -> None:
     """Forget every cached observation (tests; a class redefined in place)."""
     _CACHE.clear()
-    _CONTENTS.clear()
 
 
 def constructed_entry(owner: str) -> str:
