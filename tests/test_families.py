@@ -718,7 +718,8 @@ def _refusal_text(family: str) -> str | None:
 
 def test_linear_attention_families_hold_the_read_conv_and_refuse_truly_mixed_modules() -> None:
     """5.24: Bailing-Hybrid's kept ``conv1d`` (read by its attention, never called) goes with
-    its reader's unit (5.25 hands it to ``causal_conv1d_forward``, which reads its weight:
+    its reader's unit (5.25 hands it to ``causal_conv1d_forward``, which reads its weight, and
+    which is an ``nn.Module`` passing its arguments on where ``kernels`` is installed:
     ``tests/core/test_reads_handoff.py``); Kimi-Linear's forget gate owns a kept ``dt_bias``
     beside an ``A_log`` its keep list leaves out (bf16), and Glm5-Next's hyper-connections a
     kept ``base`` and ``scale`` beside ``fn``: modules of mixed dtype FSDP2 cannot shard,

@@ -21,7 +21,8 @@ defined on a base class), not of its own class only:
   ``ParameterDict`` (no forward: always read) any use of ``.NAME`` (``self.scales[0]``), in an
   ancestor's source, while no ancestor's source calls ``NAME(...)``; or the module handed to a
   module-level function (``FUNC(self.NAME, ...)``, Bailing-Hybrid 5.25's
-  ``causal_conv1d_forward(self.conv1d, ...)``) whose own source reads ``PARAM.TENSOR`` of the
+  ``causal_conv1d_forward(self.conv1d, ...)``, also when ``kernels`` has made that function a
+  module passing its arguments on) whose own source reads ``PARAM.TENSOR`` of the
   parameter it arrives in and does not call it;
 * :func:`called_methods`: ``NAME.METHOD(`` in an ancestor's source, for a ``METHOD`` the
   module's own model classes define, and only where that method's source (again through the
@@ -201,10 +202,22 @@ def _is_attribute(node: ast.expr, name: str) -> bool:
 
 
 def _function_def(function: Any) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
-    """The syntax tree of a plain function's definition (decorators unwrapped), else ``None``."""
+    """The syntax tree of a plain function's definition (decorators unwrapped), else ``None``.
+
+    A callable object that passes its arguments through to a function is read as that function
+    (:func:`_pass_through_target`): ``kernels``' ``use_kernel_forward_from_hub`` turns a
+    decorated function into such an ``nn.Module`` (Bailing-Hybrid 5.25's
+    ``causal_conv1d_forward`` where ``kernels`` is installed).
+    """
     function = inspect.unwrap(function)
     if not inspect.isfunction(function):
-        return None  # a class, a builtin, a module: not a body this scan can read
+        target = _pass_through_target(function)
+        return None if target is None else _function_def(target)
+    return _parsed_definition(function)
+
+
+def _parsed_definition(function: Any) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """The syntax tree of ``function``'s own definition (``None``: no source, not a def)."""
     source = source_of(function)
     try:
         tree = ast.parse(source) if source else None
@@ -212,6 +225,46 @@ def _function_def(function: Any) -> ast.FunctionDef | ast.AsyncFunctionDef | Non
         return None
     first = tree.body[0] if tree is not None and tree.body else None
     return first if isinstance(first, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+
+
+def _pass_through_target(callable_object: Any) -> Any | None:
+    """The plain function a callable object hands its arguments to unchanged, if its call
+    method (``forward`` for a module, else ``__call__``) is ``def M(self, *ARGS, **KWARGS)``
+    calling a function it closes over as ``F(*ARGS, **KWARGS)``: positions and keywords then
+    reach ``F`` as they were given (``None`` for any other shape: not followed)."""
+    if inspect.isclass(callable_object) or inspect.isroutine(callable_object):
+        return None  # a class constructs, a builtin has no source: nothing to follow
+    method_name = "forward" if isinstance(callable_object, nn.Module) else "__call__"
+    method = getattr(type(callable_object), method_name, None)
+    if not inspect.isfunction(method) or not method.__closure__:
+        return None
+    definition = _parsed_definition(method)
+    if definition is None:
+        return None
+    star, double_star = definition.args.vararg, definition.args.kwarg
+    if star is None or double_star is None:
+        return None
+    closed_over = dict(zip(method.__code__.co_freevars, method.__closure__, strict=True))
+    for node in ast.walk(definition):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in closed_over
+            and len(node.args) == 1
+            and isinstance(node.args[0], ast.Starred)
+            and _is_name(node.args[0].value, star.arg)
+            and len(node.keywords) == 1
+            and node.keywords[0].arg is None
+            and _is_name(node.keywords[0].value, double_star.arg)
+        ):
+            target = closed_over[node.func.id].cell_contents
+            return target if inspect.isfunction(inspect.unwrap(target)) else None
+    return None
+
+
+def _is_name(node: ast.expr, name: str) -> bool:
+    """Whether ``node`` is the bare identifier ``name``."""
+    return isinstance(node, ast.Name) and node.id == name
 
 
 def _parameter(definition: ast.FunctionDef | ast.AsyncFunctionDef, at: int | str) -> str | None:

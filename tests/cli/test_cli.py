@@ -419,7 +419,10 @@ def test_the_ranks_stdout_reaches_the_user_without_glooS_connection_line(
         print("before", flush=True)
         os.write(1, GLOO_CONNECTED_LINE)
         libc.printf(b"from C, buffered\n")  # in C's buffer: flushed on leaving at the latest
-        print("after")
+        # One write: under capfd, Python's stdout writes to the capture file directly while C's
+        # line arrives through the pipe's copying thread, which may land between the two
+        # writes of a print() ("after", then "\n"): lines interleave, they must not tear.
+        sys.stdout.write("after\n")
     out, _ = capfd.readouterr()
     assert out.startswith("before\n")  # Python's and C's buffers interleave as they flush
     assert sorted(out.splitlines()) == ["after", "before", "from C, buffered"]

@@ -58,6 +58,33 @@ def star_forward(*modules_and_input: Any) -> torch.Tensor:
     return depthwise_forward(conv, x)
 
 
+def as_function_module(function: Any) -> nn.Module:
+    """``function`` as ``kernels``' ``use_kernel_forward_from_hub`` leaves it: an ``nn.Module``
+    instance whose ``forward(self, *args, **kwargs)`` returns ``function(*args, **kwargs)``."""
+
+    class Func(nn.Module):
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            return function(*args, **kwargs)
+
+    return Func()
+
+
+def as_reordering_module(function: Any) -> nn.Module:
+    """A function module that does not hand its arguments on as given (it drops the first):
+    which parameter the module arrives in is not known, so nothing is followed."""
+
+    class Func(nn.Module):
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            return function(*args[1:], **kwargs)
+
+    return Func()
+
+
+kernel_depthwise_forward = as_function_module(depthwise_forward)
+kernel_calling_forward = as_function_module(calling_forward)
+reordering_depthwise_forward = as_reordering_module(depthwise_forward)
+
+
 class _HandingAttention(nn.Module):
     helper: ClassVar[str] = "depthwise"
 
@@ -76,6 +103,21 @@ class HandingAttention(_HandingAttention):
 class KeywordAttention(_HandingAttention):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.o_proj(depthwise_forward(x=self.q_proj(x), conv=self.conv).to(x.dtype))
+
+
+class KernelModuleAttention(_HandingAttention):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(kernel_depthwise_forward(self.conv, self.q_proj(x)).to(x.dtype))
+
+
+class KernelCallingAttention(_HandingAttention):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(kernel_calling_forward(self.conv, self.q_proj(x)).to(x.dtype))
+
+
+class ReorderingAttention(_HandingAttention):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(reordering_depthwise_forward(x, self.conv, self.q_proj(x)).to(x.dtype))
 
 
 class CallingAttention(_HandingAttention):
@@ -141,6 +183,25 @@ def test_module_handed_to_a_reading_function_is_read_not_called() -> None:
             "conv.weight",
         )
         assert read.evidence == "read in depthwise_forward(), which it is handed to"
+
+
+def test_a_function_turned_into_a_module_is_read_through() -> None:
+    """Where ``kernels`` is installed, Bailing-Hybrid 5.25's ``causal_conv1d_forward`` is an
+    ``nn.Module`` passing its arguments to the function: the scan reads the function (CI saw
+    the conv taken as called there, while the same release without ``kernels`` passed)."""
+    model = stack(KernelModuleAttention)
+    read = find_direct_read(model, "layers.0.self_attn.conv")
+    assert read is not None
+    assert read.evidence == "read in depthwise_forward(), which it is handed to"
+    plan = resolve_keep_plan(model, BF16, transformers_version=SEMANTICS)
+    keep_aware_cast(model, BF16, plan=plan)
+    assert plan_layout(model, plan).owner["layers.0.self_attn.conv.weight"] == "layers.0.self_attn"
+    # Negative controls: the wrapped function calls the module (a unit of its own, gathered by
+    # its hooks); a wrapper that does not hand its arguments on unchanged is not followed.
+    for attention in (KernelCallingAttention, ReorderingAttention):
+        other = stack(attention)
+        assert find_direct_read(other, "layers.0.self_attn.conv") is None, attention.__name__
+        other(torch.arange(6).reshape(1, 6))
 
 
 def test_the_read_module_goes_with_its_reader_and_the_model_runs() -> None:
