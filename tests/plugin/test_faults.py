@@ -347,7 +347,7 @@ def test_faults_fail_and_every_later_test_passes(session: Sessions) -> None:
 @pytest.mark.slow
 def test_more_faults_fail_and_every_later_test_passes(session: Sessions) -> None:
     more = session.runs["more"][1]
-    more.assert_outcomes(passed=6, failed=3, xfailed=1)
+    more.assert_outcomes(passed=7, failed=3, xfailed=1)
     more.stdout.fnmatch_lines_random(
         [
             "PASSED test_faults.py::test_ok_first_of_the_more",
