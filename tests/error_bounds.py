@@ -43,7 +43,7 @@ MARKER_TIMEOUT_BOUND_S: Final = 10.0
 """``@pytest.mark.fsdp2(timeout=3)`` ends a hanging test (below the session's 10 s timeout)."""
 
 PYTEST_TIMEOUT_BOUND_S: Final = 10.0
-"""pytest-timeout's ``@pytest.mark.timeout(5)`` ends a marked test whose ranks hang."""
+"""pytest-timeout's ``@pytest.mark.timeout(3)`` ends a marked test whose ranks hang."""
 
 INTERRUPT_BOUND_S: Final = 60.0
 """Ctrl-C (or SIGKILL) of the pytest process, or the death of an xdist worker, while ranks run:
