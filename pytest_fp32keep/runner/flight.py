@@ -58,6 +58,7 @@ class Flight:
         self.stop: _Stop | None = None
         self.stop_detail = ""
         self.timeout = 0.0
+        self.started = 0.0  # monotonic time the test was sent to the ranks
         self.group_broken = False  # a rank said its process group cannot serve another test
         self.departures: dict[int, Departure] = {}  # ranks that left early: when, how
         self.blocked: dict[int, Blocked] = {}  # what each running rank said it is blocked in
@@ -79,13 +80,25 @@ class Flight:
 
     def run(self, next_nodeid: str | None, seed: int, timeout: float) -> None:
         """Send the test to every rank and wait, bounded, until each answered or is lost."""
+        self.start(next_nodeid, seed, timeout)
+        self.wait()
+
+    def start(self, next_nodeid: str | None, seed: int, timeout: float) -> None:
+        """Send the test to every rank; its ``timeout`` counts from now."""
         self.timeout = timeout
         selector = self.group.selector()
         for rank in self.group.send_all(protocol.run(self.nodeid, next_nodeid, seed)):
             self.ended_at[rank] = time.time()
             with contextlib.suppress(KeyError):  # not registered: nothing to wait for
                 selector.unregister(self.group.ranks[rank].channel)
-        start = time.monotonic()
+        self.started = time.monotonic()
+
+    def wait(self) -> None:
+        """Wait, bounded by the timeout counted from :meth:`start`, until each rank answered
+        or is lost."""
+        timeout = self.timeout
+        selector = self.group.selector()
+        start = self.started
         failure_seen: float | None = None
         death_seen: float | None = start if self.ended_at else None
         progress = CpuProgress({rank: handle.pid for rank, handle in self.group.ranks.items()})
