@@ -20,7 +20,7 @@ Per marked test, in order, and without starting any rank unless the test will ru
    next test gets fresh ranks.
 
 When a test passed and the next one would run in the same ranks regardless, step 5 of the next
-test starts before this one is logged (:mod:`pytest_fp32keep.runner.predispatch`).
+test starts before this one is decoded or logged (:mod:`pytest_fp32keep.runner.predispatch`).
 """
 
 from __future__ import annotations
@@ -205,9 +205,10 @@ class Fsdp2Controller:
         placement = self._placement(item)
         pending = self._settle_pending(item)
         if pending is not None and placement.key is not None:
-            # Decided and sent while the previous test was logged: only its results are left.
-            outcomes, keep = self._finish(pending.group, pending.flight)
-            return self._after_shared(item, nextitem, info, placement.key, outcomes, keep)
+            # Sent while the previous test was logged: only its results are left.
+            return self._after_shared(
+                item, nextitem, info, placement.key, pending.group, pending.flight
+            )
         if placement.error is not None:
             return reports.error_reports(info, placement.error)
         skip = evaluate_skip_marks(item)
@@ -224,19 +225,20 @@ class Fsdp2Controller:
         if settings.isolated:
             group = self._launch(key, (str(item.path),), settings)
             try:
-                outcomes, _ = self._dispatch(group, item, None, settings.timeout)
+                flight = self._start(group, item.nodeid, None, settings.timeout)
+                self._await(group, flight)
             finally:
                 if group in self._live:
                     self._live.remove(group)
                 shutdown_all([group], SHUTDOWN_TIMEOUT_S)
+            outcomes = _decoded_outcomes(flight)
             relay_warnings(outcomes)
             return reports.merge(info, outcomes)
 
         group = self._shared_group(key, settings)
-        outcomes, keep = self._dispatch(
-            group, item, self._next_nodeid(item, nextitem), settings.timeout
-        )
-        return self._after_shared(item, nextitem, info, key, outcomes, keep)
+        next_nodeid = self._next_nodeid(item, nextitem)
+        flight = self._start(group, item.nodeid, next_nodeid, settings.timeout)
+        return self._after_shared(item, nextitem, info, key, group, flight)
 
     def _after_shared(
         self,
@@ -244,50 +246,42 @@ class Fsdp2Controller:
         nextitem: pytest.Item | None,
         info: reports.ItemInfo,
         key: GroupKey,
-        outcomes: list[reports.RankOutcome],
-        keep: bool,
+        group: RankGroup,
+        flight: Flight,
     ) -> list[pytest.TestReport]:
-        """Keep, end or drop the shared group after ``item``; merge its reports and, when it
-        passed, send the next test before they are logged."""
-        group = self._groups.get(key)
+        """Wait for ``item`` in the shared ``group``; when it passed on every rank, send the
+        next test before anything of this one is decoded, merged or logged; then keep, end or
+        drop the group and merge the reports."""
+        keep = self._await(group, flight)
+        if keep and flight.passed_everywhere():
+            self._predispatch(item, nextitem, key, group)
+        outcomes = _decoded_outcomes(flight)
         if not keep:
             self._discard(key)
-        elif self._is_last_of_group(item) and group is not None:
+        elif self._pending is None and self._is_last_of_group(item):
             # Nothing else will run in these ranks: let them end their session now (freeing
             # their memory) rather than idle until the end of ours. Reaped at session end.
             group.request_exit()
             self._groups.pop(key, None)
-        merged = reports.merge(info, outcomes)
-        if keep and group is not None and key in self._groups:
-            self._predispatch(item, nextitem, key, group, merged)
         relay_warnings(outcomes)
-        return merged
+        return reports.merge(info, outcomes)
 
     def _predispatch(
-        self,
-        item: pytest.Item,
-        nextitem: pytest.Item | None,
-        key: GroupKey,
-        group: RankGroup,
-        merged: list[pytest.TestReport],
+        self, item: pytest.Item, nextitem: pytest.Item | None, key: GroupKey, group: RankGroup
     ) -> None:
-        """Send ``nextitem`` to ``group`` now if nothing left to do for ``item`` can change
-        whether or how it runs (the conditions: :mod:`~pytest_fp32keep.runner.predispatch`)."""
+        """Send ``nextitem`` to ``group`` now (``item`` passed on every rank) if nothing left
+        to do for ``item`` can change whether or how it runs (the conditions:
+        :mod:`~pytest_fp32keep.runner.predispatch`)."""
         placement = self._placements.get(nextitem.nodeid) if nextitem else None
         settings = placement.settings if placement is not None else None
         if nextitem is None or placement is None or settings is None or placement.key != key:
             return
         if settings.isolated or placement.skip or nextitem.nodeid not in self._following:
             return  # (not in the order planned at collection: its successor is unknown)
-        if not group.usable() or not predispatch.may_send(item, nextitem, merged, self._config):
+        if not group.usable() or not predispatch.may_send(item, nextitem, self._config):
             return
         after = self._next_nodeid_by_id(nextitem.nodeid, self._following[nextitem.nodeid])
-        flight = Flight(group, nextitem.nodeid, self._config)
-        try:
-            flight.start(after, seed_for(nextitem.nodeid), settings.timeout)
-        except BaseException:
-            self._discard_group(group)
-            raise
+        flight = self._start(group, nextitem.nodeid, after, settings.timeout)
         self._pending = predispatch.Predispatched(nextitem.nodeid, group, flight)
 
     def _settle_pending(self, item: pytest.Item | None) -> predispatch.Predispatched | None:
@@ -296,7 +290,7 @@ class Fsdp2Controller:
         pending, self._pending = self._pending, None
         if pending is None or (item is not None and pending.nodeid == item.nodeid):
             return pending
-        self._finish(pending.group, pending.flight)
+        self._await(pending.group, pending.flight)
         with contextlib.suppress(Warning):  # under -W error: nothing to fail here
             warnings.warn(predispatch.dropped(pending.nodeid), pytest.PytestWarning, stacklevel=2)
         return None
@@ -464,21 +458,20 @@ class Fsdp2Controller:
 
     # --- dispatch --------------------------------------------------------------------------
 
-    def _dispatch(
-        self, group: RankGroup, item: pytest.Item, next_nodeid: str | None, timeout: float
-    ) -> tuple[list[reports.RankOutcome], bool]:
-        """Run one test on every rank of ``group``; return the outcomes and whether the group
-        can be kept for the next test."""
-        flight = Flight(group, item.nodeid, self._config)
+    def _start(
+        self, group: RankGroup, nodeid: str, next_nodeid: str | None, timeout: float
+    ) -> Flight:
+        """Send one test to every rank of ``group``."""
+        flight = Flight(group, nodeid, self._config)
         try:
-            flight.start(next_nodeid, seed_for(item.nodeid), timeout)
+            flight.start(next_nodeid, seed_for(nodeid), timeout)
         except BaseException:
             self._discard_group(group)
             raise
-        return self._finish(group, flight)
+        return flight
 
-    def _finish(self, group: RankGroup, flight: Flight) -> tuple[list[reports.RankOutcome], bool]:
-        """Wait for a test sent to ``group``; its outcomes and whether the group is kept."""
+    def _await(self, group: RankGroup, flight: Flight) -> bool:
+        """Wait for a test sent to ``group``; whether the group can be kept for the next."""
         try:
             flight.wait()
         except BaseException:
@@ -488,7 +481,7 @@ class Fsdp2Controller:
         if flight.broken:
             flight.collect_faults()
             self._discard_group(group)
-        return [flight.outcomes[r] for r in sorted(flight.outcomes)], not flight.broken
+        return not flight.broken
 
     def _discard_group(self, group: RankGroup) -> None:
         for key, known in list(self._groups.items()):
@@ -497,3 +490,9 @@ class Fsdp2Controller:
         if group in self._live:
             self._live.remove(group)
         group.kill()
+
+
+def _decoded_outcomes(flight: Flight) -> list[reports.RankOutcome]:
+    """Every rank's outcome of ``flight``, its reports decoded, in rank order."""
+    flight.decode_reports()
+    return [flight.outcomes[rank] for rank in sorted(flight.outcomes)]

@@ -15,7 +15,7 @@ import enum
 import math
 import selectors
 import time
-from typing import Final
+from typing import Any, Final
 
 import pytest
 
@@ -42,6 +42,17 @@ class _Stop(enum.Enum):
     AFTER_EARLY_EXIT = "after a rank left early"
     AFTER_DEATH = "after death"
     INTERRUPTED = "interrupted"
+
+
+def departure(data: dict[str, Any]) -> str | None:
+    """How a rank leaves the test's normal path with this serialised phase report: ``failed``,
+    ``xfailed`` or ``skipped``; ``None`` where the phase passed (an xpass included)."""
+    outcome = data.get("outcome")
+    if outcome == "passed":
+        return None
+    if outcome == "failed":
+        return "failed"
+    return "xfailed" if "wasxfail" in data else "skipped"
 
 
 class Flight:
@@ -172,18 +183,10 @@ class Flight:
                 continue
             kind = message["type"]
             if kind == protocol.REPORT:
-                report = self.config.hook.pytest_report_from_serializable(
-                    config=self.config, data=message["report"]
-                )
-                outcome.reports.append(report)
-                if not report.passed and rank not in self.left_early:
-                    how = (
-                        "failed"
-                        if report.failed
-                        else "xfailed"
-                        if hasattr(report, "wasxfail")
-                        else "skipped"
-                    )
+                data = message["report"]
+                outcome.serialized.append(data)  # decoded after the wait: decode_reports()
+                how = departure(data)
+                if how is not None and rank not in self.left_early:
                     self._left(rank, how)
                     failed = True
             elif kind == protocol.WAITING:
@@ -197,7 +200,7 @@ class Flight:
                 outcome.notes += list(message.get("notes", []))
                 outcome.warnings += list(message.get("warnings", []))
                 self.group_broken = self.group_broken or bool(message.get("broken"))
-                if outcome.phase("teardown") is None:
+                if not any(data.get("when") == "teardown" for data in outcome.serialized):
                     outcome.fault = reports.RankFault(
                         "internal",
                         "finished without a teardown report",
@@ -218,12 +221,38 @@ class Flight:
                 outcome.fault = reports.RankFault("missing", message["detail"], at=time.time())
         return failed
 
+    def passed_everywhere(self) -> bool:
+        """Whether every rank finished and passed setup, call and teardown, with nothing to add
+        (no fault, no note) and its process group fit for the next test: read from the phase
+        reports as they arrived, before :meth:`decode_reports`."""
+        return not self.broken and all(
+            outcome.finished
+            and outcome.fault is None
+            and not outcome.notes
+            and sorted(data.get("when", "") for data in outcome.serialized)
+            == ["call", "setup", "teardown"]
+            and not any(departure(data) or "wasxfail" in data for data in outcome.serialized)
+            for outcome in self.outcomes.values()
+        )
+
+    def decode_reports(self) -> None:
+        """Turn every rank's serialised phase reports into pytest's reports (pytest's own
+        ``pytest_report_from_serializable``, so other plugins' report fields come back too)."""
+        hook = self.config.hook
+        for outcome in self.outcomes.values():
+            outcome.reports += [
+                hook.pytest_report_from_serializable(config=self.config, data=data)
+                for data in outcome.serialized
+            ]
+            outcome.serialized.clear()
+
     def _left(self, rank: int, how: str) -> None:
         self.left_early[rank] = how
         self.departures[rank] = Departure(time.time(), how)
 
     def collect_faults(self) -> None:
         """After a broken flight: learn how ranks ended, dump the stuck ones, kill the group."""
+        self.decode_reports()
         group = self.group
         if self.stop is None and self.ended_at:
             # Only deaths: torchrun stops the other ranks and prints who failed how.

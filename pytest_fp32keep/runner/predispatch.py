@@ -1,19 +1,23 @@
-"""Pre-dispatch: the next marked test goes to its ranks before the parent logs the last one.
+"""Pre-dispatch: the next marked test goes to its ranks before the parent handles the last one.
 
-After a test passes in every rank, the ranks would idle while the parent merges their reports,
-logs them through pytest's hooks (the terminal), starts the next item's protocol and decides
-it. When nothing of that can change what the next test does, the controller sends the next
-test at once and logs the passed one while the ranks already run it; the next item's protocol
-then only waits for its results (:class:`Predispatched`).
+After a test passes in every rank, the ranks would idle while the parent decodes and merges
+their reports, logs them through pytest's hooks (the terminal), starts the next item's protocol
+and decides it. When nothing of that can change what the next test does, the controller sends
+the next test as soon as every rank's ``done`` is in, and handles the passed one while the
+ranks already run the next; the next item's protocol then only waits for its results
+(:class:`Predispatched`).
 
-The conditions (:func:`may_predispatch`) are all decided on what the parent already knows:
+The conditions are all decided on what the parent already knows:
 
-- the test passed in every phase, as merged (a failure, an error, a skip or an xfail may stop
-  the session: ``-x``, ``--maxfail``) and pytest is not already stopping;
+- the test passed in every phase on every rank, read from the phase reports as they arrived,
+  before they are decoded (:meth:`~pytest_fp32keep.runner.flight.Flight.passed_everywhere`: a
+  failure, an error, a skip or an xfail may stop the session: ``-x``, ``--maxfail``) and pytest
+  is not already stopping;
 - pytest's own loop decides the order (not under xdist, whose worker learns its next test as
   it goes) and the next test is marked, of the same group, not ``isolated``, and runs here: no
   invalid marker, no placement skip, and its ``skip``/``skipif``/``xfail(run=False)`` marks,
-  evaluated now (once: its protocol does not evaluate them again), do not stop it;
+  evaluated now (once: its protocol does not evaluate them again), do not stop it
+  (:func:`may_send`);
 - the parent's own teardown between the two tests does nothing (:func:`parent_teardown_is_noop`):
   a finaliser that fails there would be an error of the passed test.
 
@@ -51,17 +55,12 @@ def successors(items: Sequence[pytest.Item]) -> dict[str, str | None]:
     return dict(zip(ids, [*ids[1:], None], strict=True))
 
 
-def may_send(
-    item: pytest.Item,
-    nextitem: pytest.Item,
-    merged: Sequence[pytest.TestReport],
-    config: pytest.Config,
-) -> bool:
-    """Whether, ``item`` having reported ``merged``, nothing left to do for it in the parent
+def may_send(item: pytest.Item, nextitem: pytest.Item, config: pytest.Config) -> bool:
+    """Whether, ``item`` having passed on every rank, nothing left to do for it in the parent
     can stop ``nextitem`` or change how it runs (placement is the controller's to check)."""
     if hasattr(config, "workerinput"):
         return False  # under xdist the worker learns its next test as it goes
-    if not all_passed(merged) or stopping(item.session):
+    if stopping(item.session):
         return False
     return parent_teardown_is_noop(item, nextitem) and runs_in_ranks(nextitem, config)
 
@@ -71,13 +70,6 @@ def dropped(nodeid: str) -> str:
     return (
         f"fsdp2: {nodeid} was sent to its ranks ahead of time, but pytest did not run it "
         "next; its result is dropped"
-    )
-
-
-def all_passed(merged: Sequence[pytest.TestReport]) -> bool:
-    """Whether every merged phase passed (an xpass is a pass that may be strict: no)."""
-    return bool(merged) and all(
-        report.passed and not hasattr(report, "wasxfail") for report in merged
     )
 
 

@@ -1,9 +1,11 @@
-"""Pre-dispatch: after a test passes, the next one of its ranks starts before the first is logged.
+"""Pre-dispatch: after a test passes, the next one of its ranks starts before the parent
+decodes, merges or logs the first.
 
 Each check reads evidence the inner tests leave in files (``rankrec``): a test that must not
-run records itself if it does. The parent's hook in the inner conftest that logs ``test_first``
-waits until the ranks have started ``test_second``: without pre-dispatch that never happens
-before the hook returns, so the wait is the proof.
+run records itself if it does. The parent's hook in the inner conftest that decodes
+``test_first``'s call report (``pytest_report_from_serializable``) waits until the ranks have
+started ``test_second``: without pre-dispatch at ``done``, that never happens before the hook
+returns (the decoding would come first), so the wait is the proof.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pytest
 from tests.error_bounds import INTERRUPT_BOUND_S
 from tests.plugin._inner import TAG_VARIABLE, InnerProject, leftover_processes
 
-#: The parent's logreport for ``test_first`` waits this long for ``test_second`` in the ranks.
+#: How long the parent's decoding of ``test_first``'s call report waits for ``test_second``.
 SECOND_START_WAIT_S = 120.0
 
 WAIT_FOR_SECOND_CONFTEST = f"""
@@ -30,18 +32,21 @@ HERE = Path(__file__).parent
 HOLD = os.environ.get("HOLD_AFTER_SECOND") == "1"
 
 
-def pytest_runtest_logreport(report):
-    if "RANK" in os.environ or report.when != "call" or not report.nodeid.endswith("::test_first"):
-        return
+def pytest_report_from_serializable(data):
+    # The parent decoding test_first's call report, as a rank serialised it.
+    nodeid, when = data.get("nodeid", ""), data.get("when")
+    if "RANK" in os.environ or when != "call" or not nodeid.endswith("::test_first"):
+        return None
     deadline = time.monotonic() + {SECOND_START_WAIT_S}
     while time.monotonic() < deadline:
         if len(list((HERE / "records").glob("second_started.*"))) == 2:
             break
         time.sleep(0.05)
     started = len(list((HERE / "records").glob("second_started.*")))
-    (HERE / "second_started_before_first_logged.txt").write_text(str(started))
+    (HERE / "second_started_before_first_decoded.txt").write_text(str(started))
     while HOLD:  # the Ctrl-C check interrupts the parent here, test_second in flight
         time.sleep(0.1)
+    return None  # pytest's own implementation decodes it
 """
 
 COMMON = """
@@ -138,12 +143,13 @@ def test_second():
 )
 
 
-def test_next_test_starts_before_the_passed_one_is_logged(inner: InnerProject) -> None:
+def test_next_test_starts_before_the_passed_one_is_decoded(inner: InnerProject) -> None:
     inner.write(conftest=WAIT_FOR_SECOND_CONFTEST, test_flow=FLOW_TESTS)
     result = inner.run("test_flow.py", "-rA")
     result.assert_outcomes(passed=4, failed=1, skipped=2, xfailed=1)
-    # (a) both ranks ran test_second while the parent was still logging test_first.
-    evidence = inner.path / "second_started_before_first_logged.txt"
+    # (a) both ranks ran test_second before the parent decoded test_first's reports (let
+    # alone merged or logged them): sent as soon as every rank's `done` said it passed.
+    evidence = inner.path / "second_started_before_first_decoded.txt"
     assert evidence.read_text() == "2", result.stdout.str()
     # (c) skip-marked, skipif-true and xfail(run=False) successors never reach the ranks; the
     # test after them, and the one after a failure, run as usual.
@@ -178,7 +184,7 @@ def test_ctrl_c_while_the_next_test_is_sent_ahead_kills_every_rank(inner: InnerP
         text=True,
         preexec_fn=_default_sigint,
     )
-    evidence = inner.path / "second_started_before_first_logged.txt"
+    evidence = inner.path / "second_started_before_first_decoded.txt"
     deadline = time.monotonic() + 300.0
     while not evidence.exists():
         if process.poll() is not None or time.monotonic() > deadline:
