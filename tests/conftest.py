@@ -9,7 +9,9 @@ where. Slow tests are deselected, never skipped, so a default run never counts t
 Under pytest-xdist (``--dist=loadfile``, pyproject's ``addopts``) a worker takes whole modules in
 collection order, so a long module collected last runs alone at the end while the other worker
 idles. :data:`LONG_POLES` are collected first (longest first), and the short modules fill in
-beside them.
+beside them. That order holds only with ``--no-loadscope-reorder`` (also in ``addopts``):
+pytest-xdist 3.8 otherwise hands out modules by their number of tests, most first, which put
+the faults (20 tests, the longest setup) about 110 s into the run.
 
 The ranks of a marked test run their own pytest session, which must collect the test the parent
 sends them whatever the parent's options (they do not inherit ``--slow``): the deselection is

@@ -36,3 +36,14 @@ def test_long_poles_come_first_in_their_order_and_the_rest_keep_theirs() -> None
     outside = SimpleNamespace(path=Path("/elsewhere/test_x.py"), name="x")
     ordered = [i.name for i in long_poles_first([*items, outside], ROOT)]
     assert ordered == ["f1", "f2", "s1", "s2", "a1", "b1", "a2", "x"]
+
+
+def test_xdist_keeps_the_collection_order() -> None:
+    # pytest-xdist reorders loadfile scopes by their number of tests unless told not to, and the
+    # long poles (few tests, long setups) would start last: LONG_POLES would order nothing.
+    import tomllib
+
+    ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    options = ini["addopts"]
+    assert "--dist=loadfile" in options
+    assert "--no-loadscope-reorder" in options
