@@ -294,12 +294,11 @@ def _handed_use(ancestor: nn.Module, name: str, tensors: list[str]) -> tuple[str
         }
         for node in ast.walk(definition):
             if isinstance(node, ast.Call) and (
-                (isinstance(node.func, ast.Name) and node.func.id == parameter)
+                _is_name(node.func, parameter)
                 or (
                     isinstance(node.func, ast.Attribute)
                     and node.func.attr == "forward"
-                    and isinstance(node.func.value, ast.Name)
-                    and node.func.value.id == parameter
+                    and _is_name(node.func.value, parameter)
                 )
             ):
                 return _CALLED
@@ -307,8 +306,7 @@ def _handed_use(ancestor: nn.Module, name: str, tensors: list[str]) -> tuple[str
                 read is None
                 and isinstance(node, ast.Attribute)
                 and node.attr in tensors
-                and isinstance(node.value, ast.Name)
-                and node.value.id == parameter
+                and _is_name(node.value, parameter)
                 and not _metadata_of(parents.get(node))
             ):
                 read = (node.attr, definition.name)
