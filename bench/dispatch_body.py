@@ -30,7 +30,7 @@ IN_FEATURES = 32
 BATCH = 4
 
 
-def tiny_fsdp2_step(index: int, mesh: Any = None) -> float:
+def tiny_fsdp2_step(index: int) -> float:
     """Shard a three-layer MLP (a unit per linear plus the root), run forward and backward.
 
     ``index`` seeds the weights and the batch, so the 50+ tests differ the way parametrized
@@ -40,8 +40,7 @@ def tiny_fsdp2_step(index: int, mesh: Any = None) -> float:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    if mesh is None:
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(index)
     model = nn.Sequential(
         nn.Linear(IN_FEATURES, IN_FEATURES),
@@ -64,18 +63,19 @@ def tiny_fsdp2_step(index: int, mesh: Any = None) -> float:
     return float(loss.item())
 
 
-def body_loop(count: int) -> tuple[list[float], list[float]]:
+def body_loop(count: int, first_index: int = 0) -> tuple[list[float], list[float]]:
     """Wall seconds per iteration of the body in ranks that stay up (barrier to barrier), and
-    this rank's CPU seconds for each."""
-    from torch.distributed.device_mesh import init_device_mesh
+    this rank's CPU seconds for each.
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    Each iteration is exactly what one test runs, its device mesh included (a test makes its
+    own), so that the floor differs from a test only by the runner around it.
+    """
     seconds: list[float] = []
     cpu: list[float] = []
-    for index in range(count):
+    for index in range(first_index, first_index + count):
         dist.barrier()
         started, cpu_started = time.perf_counter(), time.process_time()
-        tiny_fsdp2_step(index, mesh)
+        tiny_fsdp2_step(index)
         dist.barrier()
         seconds.append(time.perf_counter() - started)
         cpu.append(time.process_time() - cpu_started)

@@ -18,6 +18,9 @@ Per marked test, in order, and without starting any rank unless the test will ru
    do not answer within a grace they are taken to be stuck in a collective: their stacks are
    dumped and the group is killed. A rank that dies, or a timeout, also ends the group; the
    next test gets fresh ranks.
+
+When a test passed and the next one would run in the same ranks regardless, step 5 of the next
+test starts before this one is decoded or logged (:mod:`pytest_fp32keep.runner.predispatch`).
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ from typing import Final
 import pytest
 from _pytest.skipping import evaluate_skip_marks, evaluate_xfail_marks
 
-from pytest_fp32keep.runner import options, reports
+from pytest_fp32keep.runner import options, predispatch, reports
 from pytest_fp32keep.runner.devices import count_cuda_devices
 from pytest_fp32keep.runner.flight import Flight
 from pytest_fp32keep.runner.launcher import LaunchError, LaunchSpec, RankGroup, shutdown_all
+from pytest_fp32keep.runner.rank_warnings import relay_warnings
 
 #: Ranks import torch and collect their files before the first test; never allow less.
 MIN_READY_TIMEOUT_S: Final = 120.0
@@ -68,32 +72,6 @@ class Placement:
     skip: str | None = None  # cannot run here: a skip decided in the parent
 
 
-class RankWarning(UserWarning):
-    """A warning issued inside the ranks of a marked test, relayed to the pytest process."""
-
-
-def relay_warnings(outcomes: list[reports.RankOutcome]) -> None:
-    """Re-issue the ranks' warnings here, one per distinct text and place, naming the ranks.
-
-    Each is issued at the file and line where the rank raised it (``warn_explicit``), so the
-    warnings summary points at the user's code, not at this module. Called while pytest's
-    warnings capture for the item is active (this plugin runs inside
-    ``pytest_runtest_protocol``), so they appear in the summary under the test's id.
-    """
-    ranks_by_warning: dict[tuple[str, str, int], list[int]] = {}
-    for outcome in outcomes:
-        for warning in outcome.warnings:
-            place = (str(warning["text"]), str(warning["filename"]), int(warning["lineno"]))
-            ranks_by_warning.setdefault(place, []).append(outcome.rank)
-    for (text, filename, lineno), ranks in ranks_by_warning.items():
-        # Under -W error here the warning raises: the ranks ran with the same filters, so a
-        # warning they only recorded is not one the user asked to fail on; drop it.
-        with contextlib.suppress(RankWarning):
-            warnings.warn_explicit(
-                RankWarning(f"[{reports.ranks_text(ranks)}] {text}"), RankWarning, filename, lineno
-            )
-
-
 def seed_for(nodeid: str) -> int:
     """The seed every rank uses for this test: stable across runs and ranks."""
     return zlib.crc32(nodeid.encode("utf-8")) & 0x7FFFFFFF
@@ -109,6 +87,8 @@ class Fsdp2Controller:
         self._placements: dict[str, Placement] = {}
         self._planned = False
         self._next_in_group: dict[str, str] = {}
+        self._following: dict[str, str | None] = {}  # node id -> the item after it in the run
+        self._pending: predispatch.Predispatched | None = None
         self._groups: dict[GroupKey, RankGroup] = {}
         self._live: list[RankGroup] = []
         self._launch_failures: dict[GroupKey, tuple[int, str]] = {}
@@ -123,6 +103,7 @@ class Fsdp2Controller:
         """Remember the run order: it tells which files each group collects and, for each
         test, which test of its group comes next (so module fixtures survive between them)."""
         self._items = list(session.items)
+        self._following = predispatch.successors(self._items)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(
@@ -173,6 +154,7 @@ class Fsdp2Controller:
         if exitstatus == pytest.ExitCode.INTERRUPTED:
             self.kill_all()
         else:
+            self._settle_pending(None)
             self.close()
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
@@ -221,6 +203,12 @@ class Fsdp2Controller:
         self, item: pytest.Item, nextitem: pytest.Item | None, info: reports.ItemInfo
     ) -> list[pytest.TestReport]:
         placement = self._placement(item)
+        pending = self._settle_pending(item)
+        if pending is not None and placement.key is not None:
+            # Sent while the previous test was logged: only its results are left.
+            return self._after_shared(
+                item, nextitem, info, placement.key, pending.group, pending.flight
+            )
         if placement.error is not None:
             return reports.error_reports(info, placement.error)
         skip = evaluate_skip_marks(item)
@@ -237,27 +225,75 @@ class Fsdp2Controller:
         if settings.isolated:
             group = self._launch(key, (str(item.path),), settings)
             try:
-                outcomes, _ = self._dispatch(group, item, None, settings.timeout)
+                flight = self._start(group, item.nodeid, None, settings.timeout)
+                self._await(group, flight)
             finally:
                 if group in self._live:
                     self._live.remove(group)
                 shutdown_all([group], SHUTDOWN_TIMEOUT_S)
+            outcomes = _decoded_outcomes(flight)
             relay_warnings(outcomes)
             return reports.merge(info, outcomes)
 
         group = self._shared_group(key, settings)
-        outcomes, keep = self._dispatch(
-            group, item, self._next_nodeid(item, nextitem), settings.timeout
-        )
+        next_nodeid = self._next_nodeid(item, nextitem)
+        flight = self._start(group, item.nodeid, next_nodeid, settings.timeout)
+        return self._after_shared(item, nextitem, info, key, group, flight)
+
+    def _after_shared(
+        self,
+        item: pytest.Item,
+        nextitem: pytest.Item | None,
+        info: reports.ItemInfo,
+        key: GroupKey,
+        group: RankGroup,
+        flight: Flight,
+    ) -> list[pytest.TestReport]:
+        """Wait for ``item`` in the shared ``group``; when it passed on every rank, send the
+        next test before anything of this one is decoded, merged or logged; then keep, end or
+        drop the group and merge the reports."""
+        keep = self._await(group, flight)
+        if keep and flight.passed_everywhere():
+            self._predispatch(item, nextitem, key, group)
+        outcomes = _decoded_outcomes(flight)
         if not keep:
             self._discard(key)
-        elif self._is_last_of_group(item):
+        elif self._pending is None and self._is_last_of_group(item):
             # Nothing else will run in these ranks: let them end their session now (freeing
             # their memory) rather than idle until the end of ours. Reaped at session end.
             group.request_exit()
             self._groups.pop(key, None)
         relay_warnings(outcomes)
         return reports.merge(info, outcomes)
+
+    def _predispatch(
+        self, item: pytest.Item, nextitem: pytest.Item | None, key: GroupKey, group: RankGroup
+    ) -> None:
+        """Send ``nextitem`` to ``group`` now (``item`` passed on every rank) if nothing left
+        to do for ``item`` can change whether or how it runs (the conditions:
+        :mod:`~pytest_fp32keep.runner.predispatch`)."""
+        placement = self._placements.get(nextitem.nodeid) if nextitem else None
+        settings = placement.settings if placement is not None else None
+        if nextitem is None or placement is None or settings is None or placement.key != key:
+            return
+        if settings.isolated or placement.skip or nextitem.nodeid not in self._following:
+            return  # (not in the order planned at collection: its successor is unknown)
+        if not group.usable() or not predispatch.may_send(item, nextitem, self._config):
+            return
+        after = self._next_nodeid_by_id(nextitem.nodeid, self._following[nextitem.nodeid])
+        flight = self._start(group, nextitem.nodeid, after, settings.timeout)
+        self._pending = predispatch.Predispatched(nextitem.nodeid, group, flight)
+
+    def _settle_pending(self, item: pytest.Item | None) -> predispatch.Predispatched | None:
+        """The test sent ahead, if it is ``item``; a test sent ahead that pytest did not run
+        next (another plugin changed the loop, or it stopped) is waited for and dropped."""
+        pending, self._pending = self._pending, None
+        if pending is None or (item is not None and pending.nodeid == item.nodeid):
+            return pending
+        self._await(pending.group, pending.flight)
+        with contextlib.suppress(Warning):  # under -W error: nothing to fail here
+            warnings.warn(predispatch.dropped(pending.nodeid), pytest.PytestWarning, stacklevel=2)
+        return None
 
     def _is_last_of_group(self, item: pytest.Item) -> bool:
         """Whether ``item`` is the last test of its group in the run order (unknown: no)."""
@@ -322,16 +358,19 @@ class Fsdp2Controller:
         next test of the group in collection order is the parent's run order, except under
         xdist, where the worker's order is unknown: then nothing is kept (always correct).
         """
-        if nextitem is None:
+        return self._next_nodeid_by_id(item.nodeid, nextitem.nodeid if nextitem else None)
+
+    def _next_nodeid_by_id(self, nodeid: str, next_id: str | None) -> str | None:
+        if next_id is None:
             return None
-        placement = self._placements.get(nextitem.nodeid)
-        current = self._placements.get(item.nodeid)
+        placement = self._placements.get(next_id)
+        current = self._placements.get(nodeid)
         same_group = placement is not None and current is not None and placement.key == current.key
         if same_group and placement and placement.settings and not placement.settings.isolated:
-            return nextitem.nodeid
+            return next_id
         if hasattr(self._config, "workerinput"):
             return None
-        return self._next_in_group.get(item.nodeid)
+        return self._next_in_group.get(nodeid)
 
     # --- groups ----------------------------------------------------------------------------
 
@@ -419,14 +458,22 @@ class Fsdp2Controller:
 
     # --- dispatch --------------------------------------------------------------------------
 
-    def _dispatch(
-        self, group: RankGroup, item: pytest.Item, next_nodeid: str | None, timeout: float
-    ) -> tuple[list[reports.RankOutcome], bool]:
-        """Run one test on every rank of ``group``; return the outcomes and whether the group
-        can be kept for the next test."""
-        flight = Flight(group, item.nodeid, self._config)
+    def _start(
+        self, group: RankGroup, nodeid: str, next_nodeid: str | None, timeout: float
+    ) -> Flight:
+        """Send one test to every rank of ``group``."""
+        flight = Flight(group, nodeid, self._config)
         try:
-            flight.run(next_nodeid, seed_for(item.nodeid), timeout)
+            flight.start(next_nodeid, seed_for(nodeid), timeout)
+        except BaseException:
+            self._discard_group(group)
+            raise
+        return flight
+
+    def _await(self, group: RankGroup, flight: Flight) -> bool:
+        """Wait for a test sent to ``group``; whether the group can be kept for the next."""
+        try:
+            flight.wait()
         except BaseException:
             # Ctrl-C (or anything unforeseen) while ranks run: never leave them behind.
             self._discard_group(group)
@@ -434,7 +481,7 @@ class Fsdp2Controller:
         if flight.broken:
             flight.collect_faults()
             self._discard_group(group)
-        return [flight.outcomes[r] for r in sorted(flight.outcomes)], not flight.broken
+        return not flight.broken
 
     def _discard_group(self, group: RankGroup) -> None:
         for key, known in list(self._groups.items()):
@@ -443,3 +490,9 @@ class Fsdp2Controller:
         if group in self._live:
             self._live.remove(group)
         group.kill()
+
+
+def _decoded_outcomes(flight: Flight) -> list[reports.RankOutcome]:
+    """Every rank's outcome of ``flight``, its reports decoded, in rank order."""
+    flight.decode_reports()
+    return [flight.outcomes[rank] for rank in sorted(flight.outcomes)]

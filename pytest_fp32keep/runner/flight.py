@@ -15,7 +15,7 @@ import enum
 import math
 import selectors
 import time
-from typing import Final
+from typing import Any, Final
 
 import pytest
 
@@ -44,6 +44,17 @@ class _Stop(enum.Enum):
     INTERRUPTED = "interrupted"
 
 
+def departure(data: dict[str, Any]) -> str | None:
+    """How a rank leaves the test's normal path with this serialised phase report: ``failed``,
+    ``xfailed`` or ``skipped``; ``None`` where the phase passed (an xpass included)."""
+    outcome = data.get("outcome")
+    if outcome == "passed":
+        return None
+    if outcome == "failed":
+        return "failed"
+    return "xfailed" if "wasxfail" in data else "skipped"
+
+
 class Flight:
     """One test in flight on one group: the wait loop and what it learned."""
 
@@ -58,6 +69,7 @@ class Flight:
         self.stop: _Stop | None = None
         self.stop_detail = ""
         self.timeout = 0.0
+        self.started = 0.0  # monotonic time the test was sent to the ranks
         self.group_broken = False  # a rank said its process group cannot serve another test
         self.departures: dict[int, Departure] = {}  # ranks that left early: when, how
         self.blocked: dict[int, Blocked] = {}  # what each running rank said it is blocked in
@@ -79,13 +91,25 @@ class Flight:
 
     def run(self, next_nodeid: str | None, seed: int, timeout: float) -> None:
         """Send the test to every rank and wait, bounded, until each answered or is lost."""
+        self.start(next_nodeid, seed, timeout)
+        self.wait()
+
+    def start(self, next_nodeid: str | None, seed: int, timeout: float) -> None:
+        """Send the test to every rank; its ``timeout`` counts from now."""
         self.timeout = timeout
         selector = self.group.selector()
         for rank in self.group.send_all(protocol.run(self.nodeid, next_nodeid, seed)):
             self.ended_at[rank] = time.time()
             with contextlib.suppress(KeyError):  # not registered: nothing to wait for
                 selector.unregister(self.group.ranks[rank].channel)
-        start = time.monotonic()
+        self.started = time.monotonic()
+
+    def wait(self) -> None:
+        """Wait, bounded by the timeout counted from :meth:`start`, until each rank answered
+        or is lost."""
+        timeout = self.timeout
+        selector = self.group.selector()
+        start = self.started
         failure_seen: float | None = None
         death_seen: float | None = start if self.ended_at else None
         progress = CpuProgress({rank: handle.pid for rank, handle in self.group.ranks.items()})
@@ -159,18 +183,10 @@ class Flight:
                 continue
             kind = message["type"]
             if kind == protocol.REPORT:
-                report = self.config.hook.pytest_report_from_serializable(
-                    config=self.config, data=message["report"]
-                )
-                outcome.reports.append(report)
-                if not report.passed and rank not in self.left_early:
-                    how = (
-                        "failed"
-                        if report.failed
-                        else "xfailed"
-                        if hasattr(report, "wasxfail")
-                        else "skipped"
-                    )
+                data = message["report"]
+                outcome.serialized.append(data)  # decoded after the wait: decode_reports()
+                how = departure(data)
+                if how is not None and rank not in self.left_early:
                     self._left(rank, how)
                     failed = True
             elif kind == protocol.WAITING:
@@ -184,7 +200,7 @@ class Flight:
                 outcome.notes += list(message.get("notes", []))
                 outcome.warnings += list(message.get("warnings", []))
                 self.group_broken = self.group_broken or bool(message.get("broken"))
-                if outcome.phase("teardown") is None:
+                if not any(data.get("when") == "teardown" for data in outcome.serialized):
                     outcome.fault = reports.RankFault(
                         "internal",
                         "finished without a teardown report",
@@ -205,12 +221,38 @@ class Flight:
                 outcome.fault = reports.RankFault("missing", message["detail"], at=time.time())
         return failed
 
+    def passed_everywhere(self) -> bool:
+        """Whether every rank finished and passed setup, call and teardown, with nothing to add
+        (no fault, no note) and its process group fit for the next test: read from the phase
+        reports as they arrived, before :meth:`decode_reports`."""
+        return not self.broken and all(
+            outcome.finished
+            and outcome.fault is None
+            and not outcome.notes
+            and sorted(data.get("when", "") for data in outcome.serialized)
+            == ["call", "setup", "teardown"]
+            and not any(departure(data) or "wasxfail" in data for data in outcome.serialized)
+            for outcome in self.outcomes.values()
+        )
+
+    def decode_reports(self) -> None:
+        """Turn every rank's serialised phase reports into pytest's reports (pytest's own
+        ``pytest_report_from_serializable``, so other plugins' report fields come back too)."""
+        hook = self.config.hook
+        for outcome in self.outcomes.values():
+            outcome.reports += [
+                hook.pytest_report_from_serializable(config=self.config, data=data)
+                for data in outcome.serialized
+            ]
+            outcome.serialized.clear()
+
     def _left(self, rank: int, how: str) -> None:
         self.left_early[rank] = how
         self.departures[rank] = Departure(time.time(), how)
 
     def collect_faults(self) -> None:
         """After a broken flight: learn how ranks ended, dump the stuck ones, kill the group."""
+        self.decode_reports()
         group = self.group
         if self.stop is None and self.ended_at:
             # Only deaths: torchrun stops the other ranks and prints who failed how.

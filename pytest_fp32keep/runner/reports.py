@@ -124,6 +124,9 @@ class RankOutcome:
 
     rank: int
     reports: list[pytest.TestReport] = dataclasses.field(default_factory=list)
+    # Phase reports as the rank serialised them, not yet decoded into ``reports``: the
+    # controller may send the next test before it decodes (``Flight.decode_reports``).
+    serialized: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     finished: bool = False
     fault: RankFault | None = None
     notes: list[str] = dataclasses.field(default_factory=list)

@@ -57,17 +57,27 @@ def test_collective():
     assert value.item() == 2
 """
 
-#: An inner conftest that records, in the pytest process only, each test's wall time.
+#: An inner conftest that records, in the pytest process only, each test's wall time: from the
+#: moment its ranks may have started it to its ``logfinish``. That is its ``logstart``, or earlier
+#: when the test before it passed: the plugin then sends the next test to the ranks before it logs
+#: the passed one (pre-dispatch), so from the passed test's first report on.
 WALL_CLOCK_CONFTEST = """
 import json, os, time
 from pathlib import Path
 
 _started = {}
+_previous_reported = []
 
 
 def pytest_runtest_logstart(nodeid, location):
     if "RANK" not in os.environ:
-        _started[nodeid] = time.monotonic()
+        _started[nodeid] = min([time.monotonic(), *_previous_reported])
+        _previous_reported.clear()
+
+
+def pytest_runtest_logreport(report):
+    if "RANK" not in os.environ and report.when == "setup":
+        _previous_reported.append(time.monotonic())
 
 
 def pytest_runtest_logfinish(nodeid, location):

@@ -135,6 +135,8 @@ def test_exitfirst_keyword_and_last_failed(inner: InnerProject) -> None:
     )
     first = inner.run("-x", "-k", "not deselected", cache=True)
     first.assert_outcomes(passed=1, failed=1)
+    # test_b_fails is sent ahead as soon as test_a_passes passed (runner/predispatch.py); its
+    # failure must stop the session before test_c_not_reached reaches the ranks.
     first.stdout.fnmatch_lines(["*stopping after 1 failures*"])
     assert sorted(r["test"] for r in inner.records("ran")) == ["a", "a", "b", "b"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import warnings
 
 from pytest_fp32keep.runner import reports
-from pytest_fp32keep.runner.controller import RankWarning, relay_warnings
 from pytest_fp32keep.runner.protocol import rank_warning
+from pytest_fp32keep.runner.rank_warnings import RankWarning, relay_warnings
 
 USER_FILE = "/home/me/project/test_my_model.py"
 LIBRARY_FILE = "/venv/site-packages/somelib/modeling.py"
