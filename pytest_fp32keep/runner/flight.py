@@ -1,9 +1,10 @@
 """One test in flight on one group of ranks: the bounded wait loop and what it learned.
 
-The controller sends the test to every rank, then :meth:`Flight.run` waits until each rank
-answered or is lost: a timeout (``--fsdp-timeout``), a rank that left early while the others
-are stuck in a collective it never joins (:mod:`pytest_fp32keep.runner.stuck` judges, from what
-the ranks say they are blocked in), a rank that died, or torchrun gone.
+The controller sends the test to every rank (:meth:`Flight.start`), then :meth:`Flight.wait`
+waits until each rank answered or is lost: a timeout (``--fsdp-timeout``), a rank that left
+early while the others are stuck in a collective it never joins
+(:mod:`pytest_fp32keep.runner.stuck` judges, from what the ranks say they are blocked in), a
+rank that died, or torchrun gone.
 :meth:`Flight.collect_faults` then turns what is known into one
 :class:`~pytest_fp32keep.runner.reports.RankFault` per rank that did not finish.
 """
@@ -88,11 +89,6 @@ class Flight:
             for rank, outcome in self.outcomes.items()
             if not outcome.finished and rank not in self.ended_at
         ]
-
-    def run(self, next_nodeid: str | None, seed: int, timeout: float) -> None:
-        """Send the test to every rank and wait, bounded, until each answered or is lost."""
-        self.start(next_nodeid, seed, timeout)
-        self.wait()
 
     def start(self, next_nodeid: str | None, seed: int, timeout: float) -> None:
         """Send the test to every rank; its ``timeout`` counts from now."""
