@@ -359,6 +359,26 @@ def test_families_workflow_runs_the_session_and_keeps_what_it_writes(
     assert needed <= job["timeout-minutes"] <= 360
 
 
+def test_bench_workflow_runs_the_session_and_keeps_what_it_writes(
+    workflows: dict[str, dict[str, Any]],
+) -> None:
+    """bench.yml: weekly and by hand, ``nox -s bench`` on a hosted runner with PyTorch's CPU
+    wheels; the regenerated bench/RESULTS.md and every benchmark's JSON uploaded also when a
+    benchmark crashed; a job timeout within GitHub's 360-minute limit."""
+    workflow = workflows["bench"]
+    raw = cast(dict[Any, Any], workflow)
+    triggers = raw["on"] if "on" in raw else raw[True]  # PyYAML reads a bare `on` as True
+    assert {"schedule", "workflow_dispatch"} <= set(triggers)
+    assert "PIP_EXTRA_INDEX_URL" in workflow["env"]
+    job = workflow["jobs"]["bench"]
+    assert job["runs-on"] == "ubuntu-latest"
+    assert any(run.strip() == "nox -s bench" for run in _runs({"jobs": {"j": job}}))
+    [upload] = [s for s in job["steps"] if str(s.get("uses", "")).startswith("actions/upload-")]
+    assert upload["if"] == "always()"
+    assert {"bench/RESULTS.md", "bench/out/"} <= set(upload["with"]["path"].split())
+    assert job["timeout-minutes"] <= 360
+
+
 def test_cpu_workflows_install_cpu_torch_wheels(workflows: dict[str, dict[str, Any]]) -> None:
     for name in ("cpu", "lint"):
         assert "PIP_EXTRA_INDEX_URL" in workflows[name]["env"], name
