@@ -345,15 +345,9 @@ def test_families_workflow_runs_the_session_and_keeps_what_it_writes(
     reports and the oracle's JUnit XML) uploaded also when the session fails; a job timeout that
     outlasts every label's check timeout plus 10 minutes per label (install, oracle), and stays
     within GitHub's 360-minute limit for hosted runners."""
-    workflow = workflows["families"]
-    raw = cast(dict[Any, Any], workflow)
-    triggers = raw["on"] if "on" in raw else raw[True]  # PyYAML reads a bare `on` as True
-    assert {"schedule", "workflow_dispatch"} <= set(triggers)
-    job = workflow["jobs"]["families"]
-    assert any(run.strip() == "nox -s families" for run in _runs({"jobs": {"j": job}}))
-    [upload] = [s for s in job["steps"] if str(s.get("uses", "")).startswith("actions/upload-")]
-    assert upload["if"] == "always()"
-    assert {"docs/families.md", "build/families/"} <= set(upload["with"]["path"].split())
+    job = _scheduled_session_job(
+        workflows["families"], "families", {"docs/families.md", "build/families/"}
+    )
     families = read_toml(MATRIX_PATH)["families"]
     needed = len(families["transformers"]) * (families["timeout_s"] / 60 + 10)
     assert needed <= job["timeout-minutes"] <= 360
@@ -366,17 +360,26 @@ def test_bench_workflow_runs_the_session_and_keeps_what_it_writes(
     wheels; the regenerated bench/RESULTS.md and every benchmark's JSON uploaded also when a
     benchmark crashed; a job timeout within GitHub's 360-minute limit."""
     workflow = workflows["bench"]
+    assert "PIP_EXTRA_INDEX_URL" in workflow["env"]
+    job = _scheduled_session_job(workflow, "bench", {"bench/RESULTS.md", "bench/out/"})
+    assert job["runs-on"] == "ubuntu-latest"
+    assert job["timeout-minutes"] <= 360
+
+
+def _scheduled_session_job(
+    workflow: dict[str, Any], session: str, kept: set[str]
+) -> dict[str, Any]:
+    """The job ``session`` of a workflow that runs on a schedule and by hand, after checking
+    that it runs ``nox -s SESSION`` and uploads ``kept`` also when the session failed."""
     raw = cast(dict[Any, Any], workflow)
     triggers = raw["on"] if "on" in raw else raw[True]  # PyYAML reads a bare `on` as True
     assert {"schedule", "workflow_dispatch"} <= set(triggers)
-    assert "PIP_EXTRA_INDEX_URL" in workflow["env"]
-    job = workflow["jobs"]["bench"]
-    assert job["runs-on"] == "ubuntu-latest"
-    assert any(run.strip() == "nox -s bench" for run in _runs({"jobs": {"j": job}}))
+    job: dict[str, Any] = workflow["jobs"][session]
+    assert any(run.strip() == f"nox -s {session}" for run in _runs({"jobs": {"j": job}}))
     [upload] = [s for s in job["steps"] if str(s.get("uses", "")).startswith("actions/upload-")]
     assert upload["if"] == "always()"
-    assert {"bench/RESULTS.md", "bench/out/"} <= set(upload["with"]["path"].split())
-    assert job["timeout-minutes"] <= 360
+    assert kept <= set(upload["with"]["path"].split())
+    return job
 
 
 def test_cpu_workflows_install_cpu_torch_wheels(workflows: dict[str, dict[str, Any]]) -> None:
