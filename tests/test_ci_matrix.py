@@ -359,9 +359,7 @@ def test_bench_workflow_runs_the_session_and_keeps_what_it_writes(
     """bench.yml: weekly and by hand, ``nox -s bench`` on a hosted runner with PyTorch's CPU
     wheels; the regenerated bench/RESULTS.md and every benchmark's JSON uploaded also when a
     benchmark crashed; a job timeout within GitHub's 360-minute limit."""
-    workflow = workflows["bench"]
-    assert "PIP_EXTRA_INDEX_URL" in workflow["env"]
-    job = _scheduled_session_job(workflow, "bench", {"bench/RESULTS.md", "bench/out/"})
+    job = _scheduled_session_job(workflows["bench"], "bench", {"bench/RESULTS.md", "bench/out/"})
     assert job["runs-on"] == "ubuntu-latest"
     assert job["timeout-minutes"] <= 360
 
@@ -383,7 +381,7 @@ def _scheduled_session_job(
 
 
 def test_cpu_workflows_install_cpu_torch_wheels(workflows: dict[str, dict[str, Any]]) -> None:
-    for name in ("cpu", "lint"):
+    for name in ("cpu", "lint", "bench"):
         assert "PIP_EXTRA_INDEX_URL" in workflows[name]["env"], name
     assert "PIP_EXTRA_INDEX_URL" not in workflows["gpu"].get("env", {})
 
