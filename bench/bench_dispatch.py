@@ -48,6 +48,12 @@ loads it; the floor records it per iteration. CPU time does not count waiting fo
 so it moves less with load than wall time; it still moves (shared caches and cores: the same
 code's parent CPU per empty test ranged 0.6-1.4 ms over runs on the loaded 2-core machine), so
 arms are compared within one run.
+
+Where the function under test runs (each rank of the plugin and of ``torchrun -m pytest``), the
+conftest also marks its call and return, so each rank's time outside the body splits into logstart
+to the call, the return to logfinish, and logfinish to the next logstart, by wall and CPU time: the
+plugin's ranks against pytest's protocol alone, part by part (the "outside the test function"
+table).
 """
 
 from __future__ import annotations
@@ -218,6 +224,9 @@ class ArmResult:
     inline_floor_s: list[float] = field(default_factory=list)
     """The plugin arm only: the seconds of every iteration of its floor blocks (the body in a
     loop inside one marked test, barrier to barrier), in these same ranks, between its tests."""
+    outside_body_s: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    """By rank (``"rank 0"`` ...): the seconds each warm test spent outside its test function,
+    by part and clock (:func:`outside_body`); the pytest arms whose ranks load the conftest."""
     passed: int = 0
     tests: int = 0
     status: str = "ok"
@@ -274,6 +283,50 @@ def intervals(marks_path: Path, column: int = WALL) -> list[float]:
         for (nodeid, at), end in zip(starts, ends, strict=True)
         if f"[{INLINE_FLOOR_ID}" not in nodeid
     ]
+
+
+SEGMENTS = ("before the body", "after the body", "between tests")
+"""The parts of a test outside its test function, in one process (see :func:`outside_body`)."""
+CLOCKS = {"wall": WALL, "cpu": CPU}
+
+
+def outside_body(marks_path: Path) -> dict[str, list[float]]:
+    """Per warm test, the seconds one process spent outside the test function, in three parts:
+    logstart to the function's call, its return to logfinish, logfinish to the next test's
+    logstart (:data:`SEGMENTS`), each by wall and CPU time (keys ``"<part> wall"``,
+    ``"<part> cpu"``). Only where the function runs in that process (a rank, or each rank of
+    ``torchrun -m pytest``); the first test (which starts the ranks) and the plugin arm's floor
+    blocks are left out; empty without marks."""
+    if not marks_path.exists():
+        return {}
+    marks = json.loads(marks_path.read_text())
+    found: dict[str, list[float]] = {f"{part} {clock}": [] for part in SEGMENTS for clock in CLOCKS}
+    seen = 0
+    for index, mark in enumerate(marks):
+        window = marks[index : index + 5]
+        if [kind for kind, *_ in window[:4]] != ["start", "body", "body-end", "finish"]:
+            continue
+        if f"[{INLINE_FLOOR_ID}" in mark[1]:
+            continue
+        seen += 1
+        if seen == 1:
+            continue
+        start, body, body_end, finish = window[:4]
+        following = window[4] if len(window) == 5 and window[4][0] == "start" else None
+        for clock, column in CLOCKS.items():
+            found[f"before the body {clock}"].append(body[column] - start[column])
+            found[f"after the body {clock}"].append(finish[column] - body_end[column])
+            if following is not None:
+                found[f"between tests {clock}"].append(following[column] - finish[column])
+    return found if seen > 1 else {}
+
+
+def ranks_outside_body(folder: Path) -> dict[str, dict[str, list[float]]]:
+    """:func:`outside_body` of every rank whose timing conftest left marks in ``folder``."""
+    found = {
+        f"rank {rank}": outside_body(folder / f"marks-rank{rank}.json") for rank in range(NPROC)
+    }
+    return {process: parts for process, parts in found.items() if parts}
 
 
 def inline_floor(folder: Path) -> list[float]:
@@ -333,6 +386,7 @@ def run_pytest_arm(
     result.per_test_s = intervals(folder / "marks.json")
     result.cpu_s = {"parent": intervals(folder / "marks.json", CPU), **rank_cpu(folder)}
     result.inline_floor_s = inline_floor(folder)
+    result.outside_body_s = ranks_outside_body(folder)
     if completed.returncode != 0 or result.passed != count:
         tail = completed.output.strip().splitlines()[-1:] or [""]
         result.status = f"exit {completed.returncode}, {result.passed}/{count} passed: {tail[0]}"
@@ -421,6 +475,7 @@ def run_in_ranks_arm(count: int, project: Path) -> ArmResult:
     # Timed in rank 0, the pytest session the user would watch.
     result.per_test_s = intervals(project / "marks-rank0.json")
     result.cpu_s = rank_cpu(project)
+    result.outside_body_s = ranks_outside_body(project)
     if completed.returncode != 0 or len(result.per_test_s) != count:
         result.status = f"exit {completed.returncode}: {completed.output[-400:]!r}"
         return result
@@ -553,6 +608,10 @@ def _combined(label: str, runs: Sequence[ArmResult]) -> ArmResult:
     for number, run in enumerate(runs, 1):
         total.per_test_s += run.per_test_s
         total.inline_floor_s += run.inline_floor_s
+        for process, parts in run.outside_body_s.items():
+            kept = total.outside_body_s.setdefault(process, {})
+            for part, values in parts.items():
+                kept.setdefault(part, []).extend(values)
         total.junit_s += run.junit_s
         total.passed += run.passed
         total.tests += run.tests
@@ -619,6 +678,9 @@ def _report(result: BenchResult, rounds: Sequence[Round], torchrun: ArmResult) -
     cpu = _cpu_table(runs)
     if cpu.rows:
         result.tables.append(cpu)
+    outside = _outside_body_ms(arms)
+    if outside:
+        result.tables.append(_outside_body_table(outside))
 
     plugin, continuous, floor, in_ranks = (arms[label] for label in PERSISTENT)
     warm_plugin = median(_warm_all(runs["plugin"])) if plugin.ok else float("nan")
@@ -703,6 +765,20 @@ def _report(result: BenchResult, rounds: Sequence[Round], torchrun: ArmResult) -
                 else ""
             )
         )
+    if outside:
+        differences = "; ".join(
+            f"{process}: {rows['difference'][-2]:.1f} ms of wall, {rows['difference'][-1]:.1f} ms "
+            f"of CPU, {rows['difference'][4]:.1f} ms of the wall between tests"
+            for process, rows in outside.items()
+        )
+        result.notes.append(
+            "Outside the test function, per warm test, the plugin's ranks spend beyond pytest's "
+            f"own protocol ({differences}): between tests a rank sends `done`, waits for the "
+            "controller's next request (wall without CPU), then seeds and checks. The rest of "
+            "the plugin's own cost is not in its ranks' time outside the body: the controller's "
+            "CPU on the same cores, and the ranks starting a test apart (their first collective "
+            "waits for the later one)."
+        )
     result.notes.append(
         "Differences are taken within a round (the arms of one round meet similar load) and "
         "their median over rounds is the figure; the min–max over rounds says how much the load "
@@ -779,6 +855,54 @@ def _cpu_table(runs: dict[str, list[ArmResult]]) -> Table:
             plugin = median(_warm_all(runs["plugin"], key))
             cells.append(fmt((plugin - median(_warm_all(runs["in_ranks"], key))) * 1e3))
         table.rows.append(["plugin − pytest in the ranks, per rank", *cells])
+    return table
+
+
+OUTSIDE_BODY_KEYS = [f"{part} {clock}" for part in SEGMENTS for clock in CLOCKS]
+"""The columns of the outside-the-body table, in order: each part's wall, then its CPU."""
+
+
+def _outside_body_ms(arms: dict[str, ArmResult]) -> dict[str, dict[str, list[float]]]:
+    """By rank, for the plugin, pytest in the ranks and their difference: the median ms of each
+    part and clock (:data:`OUTSIDE_BODY_KEYS`), then the sums of the wall and the CPU medians."""
+    plugin, in_ranks = arms["plugin"].outside_body_s, arms["in_ranks"].outside_body_s
+    found: dict[str, dict[str, list[float]]] = {}
+    for process in sorted(set(plugin) & set(in_ranks)):
+        rows = {
+            label: [
+                median(parts[key]) * 1e3 if parts.get(key) else float("nan")
+                for key in OUTSIDE_BODY_KEYS
+            ]
+            for label, parts in (("plugin", plugin[process]), ("in_ranks", in_ranks[process]))
+        }
+        rows["difference"] = [a - b for a, b in zip(rows["plugin"], rows["in_ranks"], strict=True)]
+        found[process] = {
+            label: [*values, sum(values[0::2]), sum(values[1::2])] for label, values in rows.items()
+        }
+    return found
+
+
+def _outside_body_table(outside: dict[str, dict[str, list[float]]]) -> Table:
+    """Each rank's time outside the test function: the plugin's ranks against pytest's alone."""
+    table = Table(
+        "Each rank's time outside the test function per warm test, ms: logstart to the "
+        "function's call, its return to logfinish, logfinish to the next test's logstart; wall "
+        "and CPU time (`time.process_time()`), medians over every round's warm tests (the sums "
+        "add the medians). The plugin's ranks against `torchrun -m pytest` on the same body "
+        "(pytest's own per-test protocol and nothing else), so the difference is what the "
+        "plugin adds in its ranks; waiting for the controller shows as wall without CPU.",
+        ["rank", "arm"]
+        + [key.replace(" wall", ", wall").replace(" cpu", ", CPU") for key in OUTSIDE_BODY_KEYS]
+        + ["outside the body, wall", "outside the body, CPU"],
+    )
+    titles = {
+        "plugin": ARM_TITLES["plugin"],
+        "in_ranks": ARM_TITLES["in_ranks"],
+        "difference": "plugin − pytest in the ranks",
+    }
+    for process, rows in outside.items():
+        for label, values in rows.items():
+            table.rows.append([process, titles[label], *(fmt(value) for value in values)])
     return table
 
 

@@ -38,15 +38,28 @@ TIMING_CONFTEST = """
 import json, os, time
 from pathlib import Path
 
+import pytest
+
 # One mark per event: [kind, nodeid, wall (perf_counter), this process's CPU (process_time)].
 # The user's pytest process writes marks.json; each rank of the plugin (torchrun sets RANK)
 # writes marks-rank<RANK>.json, so per-test CPU time is known for the parent and every rank.
+# Where the test function runs (a rank, or a plain pytest session), "body" and "body-end" mark
+# its call, so the time a process spends outside it can be split around it.
 _marks = []
 _rank = os.environ.get("RANK")
 
 
 def pytest_runtest_logstart(nodeid, location):
     _marks.append(["start", nodeid, time.perf_counter(), time.process_time()])
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_pyfunc_call(pyfuncitem):
+    _marks.append(["body", pyfuncitem.nodeid, time.perf_counter(), time.process_time()])
+    try:
+        return (yield)
+    finally:
+        _marks.append(["body-end", pyfuncitem.nodeid, time.perf_counter(), time.process_time()])
 
 
 def pytest_runtest_logfinish(nodeid, location):
