@@ -766,9 +766,10 @@ def _report(result: BenchResult, rounds: Sequence[Round], torchrun: ArmResult) -
             )
         )
     if outside:
+        between = OUTSIDE_BODY_KEYS.index("between tests wall")
         differences = "; ".join(
             f"{process}: {rows['difference'][-2]:.1f} ms of wall, {rows['difference'][-1]:.1f} ms "
-            f"of CPU, {rows['difference'][4]:.1f} ms of the wall between tests"
+            f"of CPU, {rows['difference'][between]:.1f} ms of the wall between tests"
             for process, rows in outside.items()
         )
         result.notes.append(
