@@ -288,6 +288,9 @@ def intervals(marks_path: Path, column: int = WALL) -> list[float]:
 SEGMENTS = ("before the body", "after the body", "between tests")
 """The parts of a test outside its test function, in one process (see :func:`outside_body`)."""
 CLOCKS = {"wall": WALL, "cpu": CPU}
+OUTSIDE_BODY_KEYS = [f"{part} {clock}" for part in SEGMENTS for clock in CLOCKS]
+"""The keys of :func:`outside_body` and the columns of its table, in order: each part's wall,
+then its CPU."""
 
 
 def outside_body(marks_path: Path) -> dict[str, list[float]]:
@@ -300,7 +303,7 @@ def outside_body(marks_path: Path) -> dict[str, list[float]]:
     if not marks_path.exists():
         return {}
     marks = json.loads(marks_path.read_text())
-    found: dict[str, list[float]] = {f"{part} {clock}": [] for part in SEGMENTS for clock in CLOCKS}
+    found: dict[str, list[float]] = {key: [] for key in OUTSIDE_BODY_KEYS}
     seen = 0
     for index, mark in enumerate(marks):
         window = marks[index : index + 5]
@@ -857,10 +860,6 @@ def _cpu_table(runs: dict[str, list[ArmResult]]) -> Table:
             cells.append(fmt((plugin - median(_warm_all(runs["in_ranks"], key))) * 1e3))
         table.rows.append(["plugin − pytest in the ranks, per rank", *cells])
     return table
-
-
-OUTSIDE_BODY_KEYS = [f"{part} {clock}" for part in SEGMENTS for clock in CLOCKS]
-"""The columns of the outside-the-body table, in order: each part's wall, then its CPU."""
 
 
 def _outside_body_ms(arms: dict[str, ArmResult]) -> dict[str, dict[str, list[float]]]:
