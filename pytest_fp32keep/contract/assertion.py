@@ -16,13 +16,14 @@ checks every item of the contract in ``shared/docs/design.md``:
 * ``boundary``: the activation input/output dtypes of every kept module (and, when the policy does
   not cast forward inputs, of every module) equal the reference's;
 * ``operators``: the operators run inside kept modules, with their dtypes, equal the reference's;
-* ``parity``: logits and loss bit-identical; every gradient bit-identical, or — where a control
-  with the implementation's own units, at the same world size, sharded with the correct policy
-  (:mod:`.control`) is not bit-identical for that parameter either (averaging over 3 ranks
-  rounds; T5's shared position bias makes autograd accumulate in another order) — no further
-  from the reference than the control is, plus, where a run is not known to be deterministic
-  (:mod:`.determinism`), the spread of two control runs (``docs/contract.md`` gives the
-  argument);
+* ``parity``: logits and loss bit-identical (the reference running the caller's policy as a correct
+  implementation applies it: :mod:`.policy`); every gradient bit-identical, or — where a control
+  with the implementation's own units (kept parameters in units of their own), at the same world
+  size, sharded with the correct policy (:mod:`.control`) is not bit-identical for that parameter
+  either (averaging over 3 ranks rounds; T5's shared position bias makes autograd accumulate in
+  another order) — no further from the reference than the control is, plus, where a run is not
+  known to be deterministic (:mod:`.determinism`), the spread of two control runs
+  (``docs/contract.md`` gives the argument);
 * ``round trip``: loading a low-precision full state dict and gathering it back is exact, and the
   destination dtype wins for every alias;
 * ``crashed``: no step raised. Each step (build, batch, reference, cast, shard, load, forward,
@@ -43,9 +44,7 @@ the runs to the checks (one module per family under :mod:`.checks`, the gradient
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,298 +52,22 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-import fp32keep
-from fp32keep import KeepPlan
 from fp32keep.layout import WrapSpec
-from pytest_fp32keep.contract.checks.boundary import check_boundary, check_operators, kept_modules
-from pytest_fp32keep.contract.checks.parity import check_parity
-from pytest_fp32keep.contract.checks.round_trip import check_round_trip
-from pytest_fp32keep.contract.checks.storage import check_materialized, check_stored
-from pytest_fp32keep.contract.control import control_run, measure_control, unit_layout
-from pytest_fp32keep.contract.master import (
-    as_master_grads,
-    expected_storage,
-    validate_master_dtype,
-)
-from pytest_fp32keep.contract.parity_policy import ControlMeasure
-from pytest_fp32keep.contract.reference import build_unsharded_reference, seeded
-from pytest_fp32keep.contract.report import ContractReport, ContractViolation, Finding, KeptTensor
+from pytest_fp32keep.contract.master import validate_master_dtype
+from pytest_fp32keep.contract.report import ContractReport, ContractViolation, Finding
+from pytest_fp32keep.contract.sequence import Setup, Steps, build_models, kept_rows
 from pytest_fp32keep.contract.steps import (
     CastFn,
     LoadFn,
-    Pass,
-    Run,
     ShardFn,
-    accepts_observed,
     default_cast,
     default_load,
     default_shard,
     describe_context,
     device_of,
-    finite_reference,
     master_cast,
-    set_prefetch,
-    to_device,
 )
-from pytest_fp32keep.contract.verdicts import (
-    STEPS,
-    Agreement,
-    batch_fingerprint,
-    batch_problem,
-    plan_account,
-    plan_problem,
-)
-from pytest_fp32keep.contract.weights import loaded_weights, loading, low_precision
-
-
-@dataclasses.dataclass(frozen=True)
-class _Models:
-    """The model under test and its reference, holding the same weights once loaded."""
-
-    model: nn.Module  # cast, sharded and loaded by the implementation under test
-    reference: nn.Module  # unsharded, cast the correct keep-aware way, the checkpoint loaded
-    plan: KeepPlan
-    checkpoint: dict[str, torch.Tensor] | None  # what `load` gets a copy of; None: no load
-    factory: Callable[[], nn.Module]  # builds what the control starts from
-    device: torch.device
-
-
-def _build_models(
-    model_factory: Callable[[], nn.Module],
-    *,
-    device: torch.device,
-    dtype: torch.dtype,
-    seed: int,
-    check_state_dict: bool,
-) -> _Models:
-    """Build the model under ``seed``, copy it into the reference (cast keep-aware) and, when
-    the round trip is checked, load the reference with weights the model was not built with."""
-    with seeded(seed):
-        model = model_factory().to(device)
-    plan = fp32keep.resolve_keep_plan(model, dtype)
-    reference = build_unsharded_reference(model)
-    fp32keep.keep_aware_cast(reference, dtype, plan=plan)  # the oracle is always cast correctly
-    if not check_state_dict:
-        return _Models(model, reference, plan, None, model_factory, device)
-    checkpoint = low_precision(loaded_weights(model_factory, model, seed, device), dtype)
-    reference.load_state_dict(checkpoint)  # each tensor copied into its destination dtype
-    return _Models(model, reference, plan, checkpoint, loading(model_factory, checkpoint), device)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Setup:
-    """What every step needs: the arguments of one contract call, after validation."""
-
-    mesh: DeviceMesh
-    dtype: torch.dtype
-    autocast: bool
-    forward_prefetch: bool
-    policy: MixedPrecisionPolicy
-    wrap: WrapSpec | None
-    loss_fn: Callable[[Any], torch.Tensor] | None
-    master_dtype: torch.dtype | None
-    seed: int
-    cast: CastFn
-    shard: ShardFn
-    load: LoadFn
-    measure_spread: bool
-
-
-@dataclasses.dataclass
-class _Steps:
-    """The steps of one contract call, each run through the ranks' :class:`Agreement`."""
-
-    setup: _Setup
-    agreement: Agreement
-    models: _Models
-    findings: list[Finding] = dataclasses.field(default_factory=list)
-    batch: Any = None
-    expected: Run | None = None
-    observed: Run | None = None
-    used: fp32keep.ParameterUse | None = None  # what the reference's forward used, and where
-
-    def _pass(self, model: nn.Module) -> Pass:
-        s = self.setup
-        return Pass(
-            model,
-            self.batch,
-            autocast=s.autocast,
-            device=self.models.device,
-            dtype=s.dtype,
-            loss_fn=s.loss_fn,
-        )
-
-    def make_batch(self, batch_factory: Callable[[nn.Module], Any]) -> None:
-        """``batch``: built from the reference; every rank's must be the same (else raise)."""
-        device = self.models.device
-        self.batch, fingerprints = self.agreement.step(
-            "batch",
-            lambda: to_device(batch_factory(self.models.reference), device),
-            batch_fingerprint,
-        )
-        problem = batch_problem(fingerprints, self.agreement.ranks) if fingerprints else None
-        if problem is not None:  # raised on every rank, before anything else runs
-            raise ValueError(problem)
-
-    def run_reference(self) -> None:
-        """``reference``: the reference's forward observed (``used``: which module calls and
-        methods use each parameter, merged over the ranks, for the implementation's layout and
-        the control's), then its forward and backward (the gradients as masters)."""
-        if not self.agreement.runs("reference"):
-            return
-        reference = self._pass(self.models.reference)
-
-        def run() -> Run:
-            self.used = reference.observe()
-            reference.forward()
-            return finite_reference(reference.backward(), self.setup.dtype)
-
-        # every rank's observation travels with the step's agreement (bounded), so the shard
-        # and the control get the same merged one on every rank
-        expected, observations = self.agreement.step("reference", run, lambda _: self.used)
-        if self.used is not None and observations:
-            others = [o for o in observations if isinstance(o, fp32keep.ParameterUse)]
-            self.used = self.used.merged(others)
-        if expected is not None:
-            expected.grads = as_master_grads(
-                expected.grads, self.models.plan, self.setup.master_dtype
-            )
-        self.expected = expected
-
-    def prepare(self) -> None:
-        """``cast``, ``shard`` and ``load`` (with the round trip), then what is stored."""
-        s, m = self.setup, self.models
-        if self.agreement.runs("cast"):
-            self.agreement.step("cast", lambda: s.cast(m.model, s.dtype, m.plan))
-        sharded = False
-        if self.agreement.runs("shard"):
-
-            def shard() -> None:
-                observed = {"observed": self.used} if accepts_observed(s.shard) else {}
-                s.shard(
-                    m.model, mesh=s.mesh, mp_policy=s.policy, plan=m.plan, wrap=s.wrap, **observed
-                )
-                set_prefetch(m.model, s.forward_prefetch)
-
-            self.agreement.step("shard", shard)
-            sharded = not self.agreement.crashed or self.agreement.crashes[0].step != "shard"
-        checkpoint = m.checkpoint
-        # what the convention stores, from the reference and the plan: never from the model
-        expected = expected_storage(m.reference, m.plan, s.master_dtype)
-        if checkpoint is not None and self.agreement.runs("load"):
-            trip, _ = self.agreement.step(
-                "load", lambda: check_round_trip(m.model, checkpoint, s.load, expected)
-            )
-            self.findings += trip or []
-        if sharded:  # at rest after cast, shard and load
-            self.findings += check_stored(m.model, expected, m.plan)
-
-    def run_model(self) -> None:
-        """``forward`` and ``backward`` of the model under test, each its own step."""
-        if not self.agreement.runs("forward"):
-            return
-        under_test = self._pass(self.models.model)
-        self.agreement.step("forward", under_test.forward)
-        if self.agreement.runs("backward"):
-            self.observed, _ = self.agreement.step("backward", under_test.backward)
-
-    def compare(self) -> tuple[list[str], dict[str, str]]:
-        """The findings that compare the two runs (none unless both completed)."""
-        s, m, expected, observed = self.setup, self.models, self.expected, self.observed
-        if expected is None or observed is None:
-            return [], {}
-
-        def control() -> ControlMeasure:
-            units = unit_layout(m.model)
-            run = functools.partial(
-                control_run,
-                m.factory,
-                self.batch,
-                units=units,
-                mesh=s.mesh,
-                dtype=s.dtype,
-                master_dtype=s.master_dtype,
-                plan=m.plan,
-                policy=s.policy,
-                autocast=s.autocast,
-                loss_fn=s.loss_fn,
-                seed=s.seed,
-                observed=self.used,
-            )
-            return measure_control(
-                run,
-                expected,
-                observed,
-                units=units,
-                device=m.device,
-                measure_spread=s.measure_spread,
-                on_any_rank=functools.partial(
-                    self.agreement.on_any_rank, "parity control (second run)"
-                ),
-            )
-
-        compared, notes, seen = _compare_runs(
-            m,
-            observed,
-            expected,
-            policy=s.policy,
-            control=control,
-            on_any_rank=functools.partial(self.agreement.on_any_rank, "parity control"),
-            measure_spread=s.measure_spread,
-        )
-        self.findings += compared
-        alerts = ", ".join(dict.fromkeys((*expected.alerts, *observed.alerts)))
-        if alerts:
-            notes.append(
-                f"torch has no deterministic implementation of {alerts} (run with "
-                "use_deterministic_algorithms(True, warn_only=True)): the gradients are bounded "
-                "by the spread of two control runs where they are not bit-identical; logits and "
-                "loss must still be"
-            )
-        return notes, seen
-
-
-def _compare_runs(
-    models: _Models,
-    observed: Run,
-    expected: Run,
-    *,
-    policy: MixedPrecisionPolicy,
-    control: Callable[[], ControlMeasure],
-    on_any_rank: Callable[[bool], bool],
-    measure_spread: bool,
-) -> tuple[list[Finding], list[str], dict[str, str]]:
-    """The materialized, boundary, operators and parity findings, the notes, and the dtype each
-    parameter was all-gathered in."""
-    findings, seen = check_materialized(observed.probe, models.model, models.plan, policy)
-    kept = kept_modules(models.reference, models.plan)
-    findings += check_boundary(
-        expected.probe, observed.probe, None if not policy.cast_forward_inputs else kept
-    )
-    findings += check_operators(expected.probe, observed.probe, kept)
-    parity, notes = check_parity(
-        observed, expected, control, on_any_rank, measure_spread=measure_spread
-    )
-    findings += parity
-    return findings, notes, seen
-
-
-def _kept_rows(
-    plan: KeepPlan, findings: Sequence[Finding], seen: Mapping[str, str]
-) -> tuple[KeptTensor, ...]:
-    """One row per kept tensor: its plan entry, and its stored and all-gathered dtypes."""
-    return tuple(
-        KeptTensor(
-            fqn=name,
-            entry=(plan.match_for(name) or fp32keep.KeepMatch("?", "regular")).entry,
-            list_kind=(plan.match_for(name) or fp32keep.KeepMatch("?", "regular")).list_kind,
-            stored=next(
-                (f.observed for f in findings if f.check == "stored" and f.subject == name), "-"
-            ),
-            materialized=seen.get(name, "-"),
-        )
-        for name in sorted(plan.names)
-    )
+from pytest_fp32keep.contract.verdicts import STEPS, Agreement, plan_account, plan_problem
 
 
 def assert_fp32_keep_contract(
@@ -365,6 +88,7 @@ def assert_fp32_keep_contract(
     load: LoadFn = default_load,
     master_dtype: torch.dtype | None = None,
     measure_spread: bool = False,
+    load_on_every_rank: bool = False,
 ) -> ContractReport:
     """Check the FP32-keep contract for one model; call it in every rank of ``mesh``.
 
@@ -383,18 +107,22 @@ def assert_fp32_keep_contract(
             backward).
         mp_policy: the policy to shard with; default
             ``MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
-            cast_forward_inputs=False)`` (FSDP2's input cast would make models that pass FP32
-            tensors between layers differ from any unsharded reference).
+            cast_forward_inputs=False)``. Any policy is judged as a correct implementation
+            applies it: the reference computes the parameters it does not keep in its
+            ``param_dtype`` (bf16 compute over fp16 storage, say) and casts inputs and outputs
+            as it does at each of the implementation's units, but never at a unit of kept
+            parameters (:mod:`~pytest_fp32keep.contract.policy`): a policy's cast at a kept
+            module's boundary is a ``boundary`` row.
         wrap: standard wrap targets (default: ``_no_split_modules``).
         loss_fn: loss from the model output; default: ``output.loss`` if present, else the mean
             square of the logits (first floating output).
         check_state_dict: also check the full-state-dict round trip: before the first forward,
-            ``load`` gets (on rank 0; ``None`` elsewhere) a fresh copy of a low-precision
-            checkpoint of other weights (the factory under ``seed + 1``, every parameter that
-            came out equal shifted), which it may rewrite: it is never read back. The reference
-            and the control hold the same weights, so the forward, ``parity`` and ``stored``
-            rows hold only if the model computes with what it loaded. ``False``: nothing is
-            loaded and both compute with the weights built under ``seed``.
+            ``load`` gets (on rank 0, ``None`` elsewhere, unless ``load_on_every_rank``) a fresh
+            copy of a low-precision checkpoint of other weights (the factory under ``seed + 1``,
+            every parameter that came out equal shifted), which it may rewrite: it is never read
+            back. The reference and the control hold the same weights, so the forward, ``parity``
+            and ``stored`` rows hold only if the model computes with what it loaded. ``False``:
+            nothing is loaded and both compute with the weights built under ``seed``.
         seed: seed for building the model.
         cast, shard, load: the implementation under test; default: ``fp32keep``'s (under
             ``master_dtype=torch.float32`` the default cast is keep-aware followed by
@@ -407,6 +135,12 @@ def assert_fp32_keep_contract(
             far its two runs differ (``docs/contract.md``, "Determinism"); a diagnostic (CI's
             GPU check), never needed for a verdict: the control runs twice by itself wherever
             the runs are not known to be deterministic.
+        load_on_every_rank: hand ``load`` the checkpoint on every rank, for loaders that read
+            the whole dict on each rank (nemo-automodel's); default: rank 0 only.
+
+    A model with no parameter that requires a gradient (a frozen reference or teacher model) is
+    judged forward only: no backward runs, and the report's notes say that gradients were not
+    judged.
 
     Every forward and backward (the reference's, the implementation's, the control's) runs with
     ``torch.use_deterministic_algorithms(True, warn_only=True)``, the caller's setting restored
@@ -432,18 +166,24 @@ def assert_fp32_keep_contract(
             which tensor, expected against observed (a crash included), on every rank.
         KeepLayoutError: the default ``shard`` refused the layout on every rank (the contract's
             answer to a layout FSDP2 cannot keep, re-raised as is).
+        TypeError: ``load_on_every_rank`` is not a bool.
         ValueError: ``master_dtype`` is neither ``None`` nor ``torch.float32`` (raised before
             anything is built); or the ranks built different batches ("rank 1 built a
             different batch: input_ids differ; ... seed your batch_factory") or keep plans,
             raised on every rank before the model under test is cast.
     """
     master_dtype = validate_master_dtype(master_dtype)
+    if not isinstance(load_on_every_rank, bool):
+        raise TypeError(
+            f"assert_fp32_keep_contract(load_on_every_rank={load_on_every_rank!r}): pass True "
+            "(the loader reads the checkpoint on every rank) or False (rank 0 holds it)"
+        )
     if cast is default_cast and master_dtype is not None:
         cast = master_cast
     policy = mp_policy or MixedPrecisionPolicy(
         param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
     )
-    setup = _Setup(
+    setup = Setup(
         mesh,
         dtype,
         autocast,
@@ -457,13 +197,14 @@ def assert_fp32_keep_contract(
         shard,
         load,
         measure_spread,
+        load_on_every_rank,
     )
     planned = [step for step in STEPS if step != "load" or check_state_dict]
     agreement = Agreement(mesh, planned)
     device = device_of(mesh)
     models, plans = agreement.step(
         "build",
-        lambda: _build_models(
+        lambda: build_models(
             model_factory, device=device, dtype=dtype, seed=seed, check_state_dict=check_state_dict
         ),
         plan_account,
@@ -475,13 +216,14 @@ def assert_fp32_keep_contract(
     notes: list[str] = []
     seen: dict[str, str] = {}
     if models is not None:
-        steps = _Steps(setup, agreement, models)
+        steps = Steps(setup, agreement, models)
         steps.make_batch(batch_factory)
-        steps.run_reference()
+        steps.observe_reference()
         steps.prepare()
+        steps.run_reference()
         steps.run_model()
-        notes, seen = steps.compare()
-        findings = steps.findings
+        seen = steps.compare()
+        findings, notes = steps.findings, steps.notes
     findings += agreement.findings()
     notes += agreement.notes()
     name = getattr(model_factory, "__name__", type(model_factory).__name__)
@@ -489,7 +231,7 @@ def assert_fp32_keep_contract(
         model_name=type(models.reference).__name__ if models is not None else name,
         dtype=dtype,
         context=describe_context(autocast, forward_prefetch),
-        kept=_kept_rows(models.plan, findings, seen) if models is not None else (),
+        kept=kept_rows(models.plan, findings, seen) if models is not None else (),
         findings=tuple(findings),
         notes=tuple(notes),
     )

@@ -8,10 +8,15 @@ depends on the world size and on the unit layout (which parameters reduce togeth
 dtype), so the control repeats exactly those: it reads the units the implementation under test
 produced (:func:`unit_layout`), builds the model again from the same seed, casts it the correct
 keep-aware way, and shards the *same* modules in the *same* groups on the *same* mesh, giving
-each unit the policy the contract prescribes (:func:`correct_policy`): ``param_dtype=None`` for a
-unit that holds only kept parameters, the caller's policy otherwise. Nothing else is taken from
-the implementation, so whatever it does to the numbers beyond its layout (a bf16 reduction of a
-kept unit, a wrong scale) shows up as a difference the control does not have.
+each unit the policy the contract prescribes (:func:`~.policy.correct_policy`):
+``param_dtype=None`` for a unit that holds only kept parameters, the caller's policy otherwise.
+A unit that mixes kept parameters with others (a framework's block holding its kept router) is
+the one part of the layout not repeated as is: no policy of one unit can gather both kinds
+correctly, so the control gives the modules owning the kept ones units of their own inside it
+(:func:`keeping_units`), and kept tensors are judged against units that keep them. Nothing else
+is taken from the implementation, so whatever it does to the numbers beyond its layout (a bf16
+all-gather or reduction of a kept tensor, a wrong scale) shows up as a difference the control
+does not have.
 
 The argument for why this bound is sound is written down in ``docs/contract.md``.
 """
@@ -19,7 +24,7 @@ The argument for why this bound is sound is written down in ``docs/contract.md``
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,13 +39,14 @@ from fp32keep.observe import UnitMembers
 from pytest_fp32keep.contract.determinism import second_run_reason
 from pytest_fp32keep.contract.fsdp_state import fsdp_units
 from pytest_fp32keep.contract.parity_policy import ControlMeasure, control_errors, control_spread
+from pytest_fp32keep.contract.policy import correct_policy
 from pytest_fp32keep.contract.reference import seeded
 from pytest_fp32keep.contract.steps import Run, device_of, forward_backward, master_cast
 
 __all__ = [
     "Unit",
     "control_run",
-    "correct_policy",
+    "keeping_units",
     "measure_control",
     "sharding_order",
     "unit_layout",
@@ -114,29 +120,63 @@ def unit_layout(model: nn.Module) -> tuple[Unit, ...]:
     return tuple(units)
 
 
+def keeping_units(
+    units: tuple[Unit, ...], model: nn.Module, plan: KeepPlan
+) -> tuple[tuple[Unit, ...], tuple[str, ...]]:
+    """``units`` with every kept parameter of a mixed unit moved into a unit of its own: the
+    module that owns it, when that module owns nothing else that is floating and is not the
+    mixed unit's own module; and the note saying what was moved or could not be.
+
+    The new unit sits inside the mixed one (it is sharded first), so the rest of the mixed unit
+    keeps the caller's policy and its place in the layout."""
+    owners: dict[str, list[str]] = {}  # owning module -> its kept parameters (every alias)
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        own = [
+            (_joined(fqn, name), param)
+            for name, param in module.named_parameters(recurse=False, remove_duplicate=False)
+            if param.is_floating_point()
+        ]
+        if own and all(name in plan for name, _ in own):
+            owners[fqn] = [name for name, _ in own]
+    result: list[Unit] = []
+    moved: list[str] = []
+    stuck: list[str] = []
+    for unit in units:
+        kept = {name for name in unit.params if name in plan}
+        if not kept or kept == unit.params:
+            result.append(unit)
+            continue
+        apart = sorted(
+            {o for o, names in owners.items() if o not in unit.modules and kept & set(names)}
+        )
+        taken = {name for owner in apart for name in owners[owner]} & unit.params
+        for owner in apart:
+            params = frozenset(owners[owner]) & unit.params
+            slots = frozenset(s for s in unit.slots if s.rpartition(".")[0] == owner)
+            result.append(Unit((owner,), params, unit.reshard_after_forward, slots))
+        moved += apart
+        stuck += sorted(kept - taken)
+        rest = frozenset(unit.slots) - {s for s in unit.slots if s.rpartition(".")[0] in apart}
+        result.append(dataclasses.replace(unit, params=unit.params - taken, slots=rest))
+    notes = []
+    if moved:
+        notes.append(
+            f"the implementation's units mix kept parameters with others; the control gives "
+            f"{len(moved)} module(s) owning kept ones units of their own inside them "
+            f"({', '.join(moved[:3])}{' …' if len(moved) > 3 else ''}), so kept tensors are "
+            "judged against units that keep them"
+        )
+    if stuck:
+        notes.append(
+            f"the control cannot keep {', '.join(stuck[:3])}{' …' if len(stuck) > 3 else ''} "
+            "apart (its module also owns parameters not kept, or is the mixed unit's own): it "
+            "keeps the implementation's grouping for them"
+        )
+    return tuple(result), tuple(notes)
+
+
 def _joined(module: str, name: str) -> str:
     return f"{module}.{name}" if module else name
-
-
-def correct_policy(
-    unit: Unit, plan: KeepPlan, policy: MixedPrecisionPolicy
-) -> MixedPrecisionPolicy:
-    """The policy the contract prescribes for ``unit``.
-
-    A unit holding only kept parameters computes as the unsharded model does: ``param_dtype=None``
-    (all-gathered in its FP32 storage dtype, inputs not cast), ``output_dtype=None`` (the module
-    hands back what its own code makes), and a ``reduce_dtype`` below 32 bits dropped (FP32
-    gradients averaged in bf16 would lose their low bits); every other field is the caller's.
-    Any other unit gets the caller's policy unchanged: what plain FSDP2 gives it.
-    """
-    if not unit.params or not all(name in plan for name in unit.params):
-        return policy
-    reduce_dtype = policy.reduce_dtype
-    if reduce_dtype is not None and torch.finfo(reduce_dtype).bits < 32:
-        reduce_dtype = None
-    return dataclasses.replace(
-        policy, param_dtype=None, output_dtype=None, reduce_dtype=reduce_dtype
-    )
 
 
 def sharding_order(units: tuple[Unit, ...]) -> list[Unit]:
@@ -177,7 +217,7 @@ def _shard_like(
         fully_shard(
             targets if len(targets) > 1 else targets[0],
             mesh=mesh,
-            mp_policy=correct_policy(unit, plan, policy),
+            mp_policy=correct_policy(unit.params, plan, policy),
             reshard_after_forward=unit.reshard_after_forward,
             **options,
         )
@@ -281,6 +321,7 @@ def measure_control(
     device: torch.device,
     measure_spread: bool,
     on_any_rank: Callable[[bool], bool],
+    notes: Sequence[str] = (),
 ) -> ControlMeasure:
     """The control's errors against the ``reference``; and, where the runs are not known to be
     deterministic (:func:`~.determinism.second_run_reason`: an operator torch could not make
@@ -301,7 +342,7 @@ def measure_control(
     grouped = [
         f"{'+'.join(u.modules) or '<root>'}: {u.groups} param groups" for u in units if u.groups > 1
     ]
-    notes = (
+    notes = tuple(notes) + (
         (
             f"{len(grouped)} unit(s) hold several param groups (per-parameter meshes; "
             f"{', '.join(grouped[:3])}{' …' if len(grouped) > 3 else ''}); the control shards "

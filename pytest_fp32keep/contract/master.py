@@ -7,23 +7,21 @@ is stored in FP32 and the FSDP2 policy's ``param_dtype`` casts it for compute; f
 and buffers stay as under the default. Kept tensors are FP32 under both, and are judged by the
 Hugging Face contract either way.
 
-The unsharded reference is the same under both conventions: a model cast keep-aware to
-``dtype``. Under FP32 master weights it is the *compute copy*: a correct FSDP2 run all-gathers
-``param_dtype(master)``, which is exactly the reference's ``dtype`` tensor (the master holds the
-pristine FP32 weights, the reference their cast), so forward is bit-identical; gradients then
-land in the master's FP32, and :func:`as_master_grads` says what they must equal.
+The unsharded reference is cast keep-aware to ``dtype`` under both conventions, then holds each
+parameter in the dtype it computes in (:mod:`.policy`): a correct FSDP2 run all-gathers
+``param_dtype(stored)``, which is exactly the reference's tensor (an FP32 master holds the
+``dtype`` values of the checkpoint, upcast exactly), so forward is bit-identical; gradients then
+land in the dtype each parameter is stored in (:func:`~.policy.expected_grads`).
 """
 
 from __future__ import annotations
-
-from collections.abc import Mapping
 
 import torch
 from torch import nn
 
 from fp32keep import KeepPlan
 
-__all__ = ["MASTER_DTYPES", "as_master_grads", "expected_storage", "validate_master_dtype"]
+__all__ = ["MASTER_DTYPES", "expected_storage", "validate_master_dtype"]
 
 MASTER_DTYPES: tuple[torch.dtype | None, ...] = (None, torch.float32)
 """The storage conventions the contract knows: ``None`` (low precision) and FP32 master weights."""
@@ -59,22 +57,3 @@ def expected_storage(
         if buffer.is_floating_point():
             expected[name] = torch.float32 if name in plan else buffer.dtype
     return expected
-
-
-def as_master_grads(
-    grads: Mapping[str, torch.Tensor | None], plan: KeepPlan, master_dtype: torch.dtype | None
-) -> dict[str, torch.Tensor | None]:
-    """The reference's gradients as FP32 master weights must hold them.
-
-    FSDP2 computes a master-weight parameter's unsharded gradient in ``param_dtype``, reduces it
-    in ``reduce_dtype`` and stores it in the parameter's FP32; the reference's ``dtype``
-    gradient, upcast (exact), is what that yields wherever the reduction is exact.
-    """
-    if master_dtype is None:
-        return dict(grads)
-    return {
-        name: grad
-        if grad is None or name in plan or not grad.is_floating_point()
-        else grad.to(master_dtype)
-        for name, grad in grads.items()
-    }

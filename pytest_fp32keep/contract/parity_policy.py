@@ -170,9 +170,11 @@ def _broken(observed: str) -> tuple[dict[str, float], list[Finding], list[str]]:
         False,
     )
     note = (
-        "the control does not reproduce the unsharded model here "
-        f"({observed}): the installed torch's FSDP2 is wrong for this model or backend (torch "
-        "2.7 on gloo, for one, sums gradients over the ranks instead of averaging them), so "
-        "every gradient must be bit-identical."
+        "the control (the implementation's units sharded with the correct policy) does not "
+        f"reproduce the unsharded model here ({observed}), so no gradient may be off: every "
+        "gradient must be bit-identical. Where the contract's defaults (fp32keep's own path) "
+        "fail the same way on the same model and torch, FSDP2 itself does not reproduce the "
+        "model there (torch 2.7 on gloo, for one, sums gradients over the ranks instead of "
+        "averaging them)."
     )
     return {}, [finding], [note]

@@ -334,8 +334,11 @@ class Pass:
         if self._logits is None or self._loss is None:
             raise RuntimeError("Pass.backward() before a forward() that completed")
         try:
-            with deterministic(self._alerts):
-                self._loss.backward()  # type: ignore[no-untyped-call]
+            # a frozen model (a reference or teacher model) has nothing to differentiate: its
+            # run is forward only, every gradient None
+            if self._loss.requires_grad:
+                with deterministic(self._alerts):
+                    self._loss.backward()  # type: ignore[no-untyped-call]
         finally:
             self.probe.detach()
         grads = {

@@ -7,7 +7,8 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import fp32keep
-from pytest_fp32keep.contract.control import Unit, correct_policy, sharding_order
+from pytest_fp32keep.contract.control import Unit, sharding_order
+from pytest_fp32keep.contract.policy import correct_policy
 from tests.core.toys import stack_class
 
 
@@ -42,11 +43,11 @@ def test_correct_policy_keeps_fp32_math_in_fully_kept_units_only() -> None:
     policy = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, output_dtype=torch.bfloat16
     )
-    kept = correct_policy(unit("layers.0.wo", params=("layers.0.wo.weight",)), plan, policy)
+    kept = correct_policy(unit("layers.0.wo", params=("layers.0.wo.weight",)).params, plan, policy)
     assert (kept.param_dtype, kept.reduce_dtype, kept.output_dtype) == (None, None, None)
     assert kept.cast_forward_inputs == policy.cast_forward_inputs
     mixed = unit("layers.0", params=("layers.0.wo.weight", "layers.0.attn.weight"))
-    assert correct_policy(mixed, plan, policy) is policy
+    assert correct_policy(mixed.params, plan, policy) is policy
     fp32_reduce = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     wo = unit("layers.1.wo", params=("layers.1.wo.weight",))
-    assert correct_policy(wo, plan, fp32_reduce).reduce_dtype == torch.float32
+    assert correct_policy(wo.params, plan, fp32_reduce).reduce_dtype == torch.float32

@@ -14,7 +14,8 @@ import fp32keep
 from pytest_fp32keep import assert_fp32_keep_contract, build_unsharded_reference
 from pytest_fp32keep.check.cli import build_parser
 from pytest_fp32keep.check.ranks import MASTER_DTYPES
-from pytest_fp32keep.contract.master import as_master_grads, expected_storage
+from pytest_fp32keep.contract.master import expected_storage
+from pytest_fp32keep.contract.policy import expected_grads
 from tests.core.toys import stack_class
 from tests.error_bounds import LIBRARY_BOUND_S, PARENT_BOUND_S, within
 
@@ -81,20 +82,25 @@ def test_expected_storage_follows_the_convention() -> None:
     assert low["scale"] == master["scale"] == BF16  # buffers are not master weights
 
 
-def test_master_gradients_are_the_reference_gradients_upcast_except_kept_ones() -> None:
+def test_expected_gradients_are_the_reference_gradients_in_each_storage_dtype() -> None:
     model = toy()
     plan = fp32keep.resolve_keep_plan(model, BF16)
+    fp32keep.keep_aware_cast(model, BF16, plan=plan)
     grads = {
         "embed.weight": torch.tensor([1.5, -2.0], dtype=BF16),
         "layers.0.wo.weight": torch.tensor([0.1]),
         "layers.1.attn.weight": None,
     }
-    assert as_master_grads(grads, plan, None) == grads
-    master = as_master_grads(grads, plan, FP32)
+    assert expected_grads(grads, expected_storage(model, plan, None)) == grads
+    master = expected_grads(grads, expected_storage(model, plan, FP32))
     assert master["embed.weight"] is not None
     assert master["embed.weight"].dtype == FP32
     assert master["layers.0.wo.weight"] is grads["layers.0.wo.weight"]
     assert master["layers.1.attn.weight"] is None
+    # bf16 compute over fp16 storage: the gradient lands rounded to fp16, as FSDP2 stores it
+    fp16 = expected_grads(grads, {"embed.weight": torch.float16})
+    assert fp16["embed.weight"] is not None
+    assert fp16["embed.weight"].dtype == torch.float16
 
 
 def test_cli_measure_spread_option() -> None:

@@ -79,6 +79,24 @@ def _accelerate(
     return run
 
 
+def _fp32keep_under_accelerates_policy(
+    mesh: DeviceMesh, model: str, dtype: torch.dtype
+) -> ContractReport:
+    """fp32keep's cast, wrapping and loader with accelerate's out-of-the-box policy and its FP32
+    master weights: the fix, adopted under accelerate's own settings."""
+    return _on_zoo(
+        mesh, model, dtype, mp_policy=accelerate_policy(dtype), master_dtype=torch.float32
+    )
+
+
+def _fp32keep_under_transformers_policy(
+    mesh: DeviceMesh, model: str, dtype: torch.dtype
+) -> ContractReport:
+    """fp32keep's cast, wrapping and loader with the policy ``distributed_config`` shards with
+    (bf16 compute over the checkpoint's storage dtype, FP32 reduction)."""
+    return _on_zoo(mesh, model, dtype, mp_policy=transformers_policy())
+
+
 def _transformers(mesh: DeviceMesh, model: str, dtype: torch.dtype) -> ContractReport:
     return _on_zoo(
         mesh,
@@ -99,6 +117,22 @@ SETUPS = {
             "the contract's defaults (`fp32keep`'s cast, `apply_fsdp2`, loader) through the same "
             "harness: no row, so the other setups' rows are the frameworks' own",
             _on_zoo,
+        ),
+        Setup(
+            "fp32keep under accelerate's policy",
+            "pytest-fp32keep",
+            "the contract's defaults with accelerate's out-of-the-box policy (param, reduce and "
+            "output dtype all low precision; inputs cast) over FP32 master weights: the fix "
+            "passes under accelerate's own settings",
+            _fp32keep_under_accelerates_policy,
+        ),
+        Setup(
+            "fp32keep under transformers' policy",
+            "pytest-fp32keep",
+            "the contract's defaults with the policy `distributed_config` shards with (bf16 "
+            "compute over the storage dtype, FP32 reduce): the fix passes under Transformers' "
+            "own settings",
+            _fp32keep_under_transformers_policy,
         ),
         Setup(
             "accelerate",
@@ -138,6 +172,8 @@ ACCELERATE_ROWS = frozenset(
 """accelerate on Ernie4.5-MoE and GPT-OSS, with either policy."""
 EXPECTED: dict[tuple[str, str], frozenset[str]] = {
     **{("fp32keep (control)", model): frozenset() for model in MODELS},
+    **{("fp32keep under accelerate's policy", model): frozenset() for model in MODELS},
+    **{("fp32keep under transformers' policy", model): frozenset() for model in MODELS},
     # accelerate's loader corrupts what it loads (round trip); on T5 the model then fails in its
     # forward (crashed), on Ernie and GPT-OSS it computes NaN from the loaded weights (parity);
     # on DeepSeek-V3 the loader itself raises (crashed load)
@@ -200,10 +236,10 @@ WHY: dict[tuple[str, str], str] = {
     **{("accelerate", model): why for model, why in _ACCELERATE_WHY.items()},
     **{("accelerate, contract policy", model): why for model, why in _ACCELERATE_WHY.items()},
     ("transformers", "t5"): "each kept `wo` gets its own unit, with the same bf16 policy: "
-    "all-gathered in bf16 and its input cast to bf16 (boundary); Transformers computes in bf16 "
-    "whatever the storage dtype, so under fp16 storage the outputs and gradients differ too, "
-    "beyond the control's (the same units, the tied embedding gathered in three of them, with "
-    "the correct policy) (parity)",
+    "all-gathered in bf16 and its input cast to bf16 (boundary); so `wo` computes in bf16, and "
+    "the logits and gradients differ from a correct keep under the same bf16 compute, beyond "
+    "the control's (the same units, the tied embedding gathered in three of them, with the "
+    "correct policy) (parity)",
     ("transformers", "ernie4_5_moe"): "the router gets its own unit with the bf16 policy: "
     "all-gathered in bf16, its `moe_statics` input cast to bf16 (boundary); so the router's "
     "gradient is no longer bit-identical, as the control's (the same units, the grouped "

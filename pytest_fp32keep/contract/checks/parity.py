@@ -22,6 +22,13 @@ from pytest_fp32keep.contract.probe import dtype_name
 from pytest_fp32keep.contract.report import Finding
 from pytest_fp32keep.contract.steps import Run
 
+FORWARD_ONLY = (
+    "forward only: no parameter requires a gradient (a frozen model, such as a reference or "
+    "teacher model), so no backward ran; gradients, their reduction and the control were not "
+    "judged"
+)
+"""The note of a run without gradients: what the report could not judge."""
+
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max())
@@ -92,6 +99,8 @@ def check_parity(
         the findings and the notes for the report.
     """
     findings, off = _exact(observed, reference)
+    if not any(grad is not None for grad in (*reference.grads.values(), *observed.grads.values())):
+        return findings, [FORWARD_ONLY]
     anywhere = on_any_rank(bool(off) or measure_spread)
     measured: ControlMeasure | str = ControlMeasure({})
     if anywhere:

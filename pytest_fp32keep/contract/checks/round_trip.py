@@ -19,6 +19,8 @@ def check_round_trip(
     checkpoint: Mapping[str, torch.Tensor],
     load: LoadFn,
     expected: Mapping[str, torch.dtype],
+    *,
+    every_rank: bool = False,
 ) -> list[Finding]:
     """Load a fresh copy of ``checkpoint`` with ``load``, gather it back: exact, in each
     destination dtype (kept tensors arrive in the low-precision dtype and must land in FP32;
@@ -30,14 +32,16 @@ def check_round_trip(
     judged by its own mistake. An entry the convention does not know (an integer buffer, a
     tensor the implementation added) keeps the model's dtype.
 
-    ``load`` gets a copy made for it alone (rank 0; ``None`` elsewhere), never read again: a
+    ``load`` gets a copy made for it alone (rank 0, ``None`` elsewhere; every rank with
+    ``every_rank``, for loaders that read the whole dict on each rank), never read again: a
     loader may rewrite the mapping it is given (torch DCP's ``set_model_state_dict`` with
     ``broadcast_from_rank0=True`` puts DTensors in it). ``checkpoint`` itself is only read.
     """
     destination = {
         name: expected.get(name, local(t).dtype) for name, t in model.state_dict().items()
     }
-    handed = {name: t.clone() for name, t in checkpoint.items()} if dist.get_rank() == 0 else None
+    source = every_rank or dist.get_rank() == 0
+    handed = {name: t.clone() for name, t in checkpoint.items()} if source else None
     load(model, handed)
     del handed
     gathered = fp32keep.gather_full_state_dict(model)
