@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_fp32keep.runner import options
+from pytest_fp32keep.runner import options, world_sizes
 from pytest_fp32keep.runner.rank_context import RANK_CONTEXT_KEY
 
 #: The fixtures live in their own module; registering it as a plugin of this one makes them
@@ -24,7 +24,8 @@ ON_DEMAND_PLUGIN_NAME = "fp32keep-controller-on-demand"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    """``--fsdp-nproc``, ``--fsdp-backend``, ``--fsdp-timeout`` and their ini keys."""
+    """``--fsdp-nproc``, ``--fsdp-backend``, ``--fsdp-timeout``, ``--fsdp-max-nproc`` and their
+    ini keys."""
     options.add_options(parser)
 
 
@@ -35,6 +36,11 @@ def pytest_configure(config: pytest.Config) -> None:
     if RANK_CONTEXT_KEY in config.stash:
         return  # inside a rank: the rank session drives the tests
     config.pluginmanager.register(ControllerOnDemand(config, settings), ON_DEMAND_PLUGIN_NAME)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``@pytest.mark.fsdp2(nproc=[1, 2])``: one case per world size (parent and ranks alike)."""
+    world_sizes.parametrize(metafunc)
 
 
 class ControllerOnDemand:

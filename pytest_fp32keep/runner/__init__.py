@@ -1,6 +1,7 @@
 """The runner: pytest tests whose body runs in N ``torchrun`` ranks, kept alive across tests.
 
-It owns the ``fsdp2`` marker and the ``--fsdp-*`` options (:mod:`.options`), the controller in
+It owns the ``fsdp2`` marker and the ``--fsdp-*`` options (:mod:`.options`; a marker's list of
+world sizes is expanded by :mod:`.world_sizes`), the controller in
 the pytest process that groups and dispatches marked tests (:mod:`.controller`, one test in
 flight at a time in :mod:`.flight`), the torchrun processes (:mod:`.processes` spawns and kills
 them; :mod:`.launcher` connects a group of ranks to the controller), the wire protocol

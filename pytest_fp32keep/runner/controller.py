@@ -316,6 +316,8 @@ class Fsdp2Controller:
             settings = options.item_settings(item, self._settings)
         except options.MarkerError as exc:
             return Placement(error=str(exc))
+        if (over := options.over_cap(settings.nproc, self._settings)) is not None:
+            return Placement(settings, skip=over)
         if settings.backend == "gloo":
             return Placement(settings, GroupKey(settings.nproc, "gloo"))
         devices = self._count_cuda_devices()

@@ -15,6 +15,7 @@ import dataclasses
 import math
 import os
 import shlex
+from collections.abc import Sequence
 from typing import Final
 
 import pytest
@@ -25,6 +26,11 @@ DEFAULT_NPROC: Final = 2
 DEFAULT_BACKEND: Final = "auto"
 DEFAULT_TIMEOUT_S: Final = 300.0
 BACKENDS: Final = ("auto", "gloo", "nccl")
+#: The environment variable of the cap, for machines (a CI runner) rather than projects.
+ENV_MAX_NPROC: Final = "FP32KEEP_MAX_NPROC"
+#: The parameter a marker's list of world sizes becomes (one case per size, ids ``nprocN``);
+#: the runner's fixture of the same name gives the same number inside the ranks.
+WORLD_SIZE_PARAM: Final = "fsdp2_world_size"
 
 HELP_NPROC: Final = (
     "number of ranks (processes started by torchrun) that run each test marked "
@@ -41,9 +47,15 @@ HELP_TIMEOUT: Final = (
     "put in the report, the ranks are killed and the next test gets fresh ones (default: "
     f"{DEFAULT_TIMEOUT_S:g}; ini key: fsdp_timeout)"
 )
+HELP_MAX_NPROC: Final = (
+    "the most ranks a marked test may start: a test (or one world size of a marker's "
+    "nproc=[...] list) that needs more is skipped, naming the cap, instead of oversubscribing "
+    f"the machine (default: no cap; ini key: fsdp_max_nproc; environment: {ENV_MAX_NPROC})"
+)
 HELP_MARKER: Final = (
     f"{MARKER_NAME}(nproc=None, backend=None, isolated=False, timeout=None): run the test body "
-    "in nproc ranks started by torchrun (default --fsdp-nproc), on backend 'auto', 'gloo' or "
+    "in nproc ranks started by torchrun (default --fsdp-nproc; a list such as nproc=[1, 2, 4] "
+    "runs the test once per world size, ids nproc1, nproc2 ...), on backend 'auto', 'gloo' or "
     "'nccl' (default --fsdp-backend), for at most timeout seconds (default --fsdp-timeout); "
     "ranks are kept alive across tests unless isolated=True, which gives the test fresh ranks "
     "of its own."
@@ -52,9 +64,11 @@ HELP_MARKER: Final = (
 _OPTION_NPROC: Final = "--fsdp-nproc"
 _OPTION_BACKEND: Final = "--fsdp-backend"
 _OPTION_TIMEOUT: Final = "--fsdp-timeout"
+_OPTION_MAX_NPROC: Final = "--fsdp-max-nproc"
 _INI_NPROC: Final = "fsdp_nproc"
 _INI_BACKEND: Final = "fsdp_backend"
 _INI_TIMEOUT: Final = "fsdp_timeout"
+_INI_MAX_NPROC: Final = "fsdp_max_nproc"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +79,16 @@ class SessionSettings:
         nproc: ranks per marked test when its marker does not say.
         backend: ``"auto"``, ``"gloo"`` or ``"nccl"``, when the marker does not say.
         timeout: seconds a marked test may run before its ranks are dumped and killed.
+        max_nproc: the most ranks a marked test may start (``None``: no cap).
+        max_nproc_from: where the cap was set (the option, the environment variable, the ini
+            key), for the reason of the tests it skips.
     """
 
     nproc: int = DEFAULT_NPROC
     backend: str = DEFAULT_BACKEND
     timeout: float = DEFAULT_TIMEOUT_S
+    max_nproc: int | None = None
+    max_nproc_from: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,9 +130,13 @@ def add_options(parser: pytest.Parser) -> None:
     group.addoption(
         _OPTION_TIMEOUT, dest=_INI_TIMEOUT, metavar="SECONDS", default=None, help=HELP_TIMEOUT
     )
+    group.addoption(
+        _OPTION_MAX_NPROC, dest=_INI_MAX_NPROC, metavar="N", default=None, help=HELP_MAX_NPROC
+    )
     parser.addini(_INI_NPROC, HELP_NPROC, default="")
     parser.addini(_INI_BACKEND, HELP_BACKEND, default="")
     parser.addini(_INI_TIMEOUT, HELP_TIMEOUT, default="")
+    parser.addini(_INI_MAX_NPROC, HELP_MAX_NPROC, default="")
 
 
 def register_marker(config: pytest.Config) -> None:
@@ -135,6 +158,44 @@ def validate_nproc(value: object, where: str) -> int:
         raise_for(where, f"expected a positive integer number of ranks, got {value!r}")
     assert number is not None
     return number
+
+
+def validate_nproc_list(value: Sequence[object], where: str) -> tuple[int, ...]:
+    """A marker's list of world sizes: non-empty, each a positive ``int``, each once.
+
+    Stricter than :func:`validate_nproc` (no numeric strings): the list becomes test ids.
+    """
+    if not value:
+        raise_for(where, "expected at least one number of ranks, got an empty list")
+    sizes: list[int] = []
+    for index, size in enumerate(value):
+        if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
+            sizes.append(size)
+            continue
+        raise_for(
+            where, f"expected positive integer numbers of ranks, got {size!r} at index {index}"
+        )
+    repeated = sorted({size for size in sizes if sizes.count(size) > 1})
+    if repeated:
+        listed = ", ".join(str(size) for size in repeated)
+        raise_for(where, f"lists {listed} more than once; name each number of ranks once")
+    return tuple(sizes)
+
+
+def marker_nproc_list(mark: pytest.Mark) -> Sequence[object] | None:
+    """The marker's ``nproc`` when it is a list or tuple (of world sizes), else ``None``."""
+    raw = mark.kwargs.get("nproc", mark.args[0] if mark.args else None)
+    return raw if isinstance(raw, list | tuple) else None
+
+
+def over_cap(nproc: int, session: SessionSettings) -> str | None:
+    """The skip reason of a test that needs ``nproc`` ranks, when that exceeds the cap."""
+    if session.max_nproc is None or nproc <= session.max_nproc:
+        return None
+    return (
+        f"fsdp2: needs {nproc} ranks, more than the cap of {session.max_nproc} set by "
+        f"{session.max_nproc_from}; raise the cap to run it"
+    )
 
 
 def validate_backend(value: object, where: str) -> str:
@@ -179,14 +240,19 @@ def raise_for(where: str, problem: str) -> None:
 def session_settings(config: pytest.Config) -> SessionSettings:
     """Resolve the session defaults: command line, else ini key, else built in.
 
-    Raises ``pytest.UsageError`` naming the option or ini key of a bad value.
+    The cap (``--fsdp-max-nproc``) also has an environment variable, read between the two:
+    a machine's limit (a CI runner's cores) overrides the project's ini file.
+
+    Raises ``pytest.UsageError`` naming the option, variable or ini key of a bad value.
     """
     inipath = f" in {config.inipath}" if config.inipath else ""
 
-    def pick(dest: str, option: str) -> tuple[object, str] | None:
+    def pick(dest: str, option: str, env: str | None = None) -> tuple[object, str] | None:
         cli = config.getoption(dest)
         if cli is not None:
             return cli, f"{option}={cli}"
+        if env is not None and os.environ.get(env, "").strip():
+            return os.environ[env], f"environment variable {env}={os.environ[env]}"
         ini = config.getini(dest)
         if ini not in ("", None):
             return ini, f"ini key '{dest}'{inipath}"
@@ -199,7 +265,10 @@ def session_settings(config: pytest.Config) -> SessionSettings:
         backend = validate_backend(*raw)
     if (raw := pick(_INI_TIMEOUT, _OPTION_TIMEOUT)) is not None:
         timeout = validate_timeout(*raw)
-    return SessionSettings(nproc=nproc, backend=backend, timeout=timeout)
+    max_nproc, max_nproc_from = None, ""
+    if (raw := pick(_INI_MAX_NPROC, _OPTION_MAX_NPROC, ENV_MAX_NPROC)) is not None:
+        max_nproc, max_nproc_from = validate_nproc(*raw), raw[1]
+    return SessionSettings(nproc, backend, timeout, max_nproc, max_nproc_from)
 
 
 def is_marked(item: pytest.Item) -> bool:
@@ -233,7 +302,10 @@ def item_settings(item: pytest.Item, session: SessionSettings) -> ItemSettings:
         return f"@pytest.mark.{MARKER_NAME}({name}={kwargs[name]!r}) on {item.nodeid}"
 
     nproc = session.nproc
-    if kwargs.get("nproc") is not None:
+    if isinstance(kwargs.get("nproc"), list | tuple):  # one case per world size: this one's
+        sizes = validate_nproc_list(kwargs["nproc"], arg_where("nproc"))
+        nproc = _case_nproc(item, sizes, arg_where("nproc"))
+    elif kwargs.get("nproc") is not None:
         nproc = validate_nproc(kwargs["nproc"], arg_where("nproc"))
     backend = session.backend
     if kwargs.get("backend") is not None:
@@ -245,6 +317,20 @@ def item_settings(item: pytest.Item, session: SessionSettings) -> ItemSettings:
     if kwargs.get("timeout") is not None:
         timeout = validate_timeout(kwargs["timeout"], arg_where("timeout"))
     return ItemSettings(nproc=nproc, backend=backend, isolated=isolated, timeout=timeout)
+
+
+def _case_nproc(item: pytest.Item, sizes: tuple[int, ...], where: str) -> int:
+    """The world size of ``item``, one case of a marker's list ``sizes``."""
+    callspec = getattr(item, "callspec", None)
+    size = callspec.params.get(WORLD_SIZE_PARAM) if callspec is not None else None
+    if size not in sizes:
+        # The list was not on the test when pytest collected it (item.add_marker later): it
+        # was never expanded into one case per world size.
+        raise MarkerError(
+            f"{where}: a list of world sizes must be on the test when it is collected (as a "
+            "decorator on the function, class or module), not added to it afterwards"
+        )
+    return int(size)
 
 
 # --- what the ranks inherit from the parent's command line --------------------------------------

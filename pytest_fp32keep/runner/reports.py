@@ -33,7 +33,12 @@ import pytest
 from _pytest._code.code import ReprFileLocation, TerminalRepr
 from _pytest._io import TerminalWriter
 
-from pytest_fp32keep.runner.tracebacks import condense_stacks, hide_library_frames, merge_key
+from pytest_fp32keep.runner.tracebacks import (
+    condense_stacks,
+    hide_library_frames,
+    mask_rank_values,
+    merge_key,
+)
 
 Phase = Literal["setup", "call", "teardown"]
 
@@ -42,6 +47,8 @@ Phase = Literal["setup", "call", "teardown"]
 #: the root cause instead of it.
 DEATH_PRECEDENCE_S: Final = 1.0
 PHASES: Final[tuple[Phase, ...]] = ("setup", "call", "teardown")
+#: What a block of several ranks shows as the value of ``fsdp2_rank`` (and ``fsdp2_device``).
+PER_RANK_SHOWN: Final = "<per rank>"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +223,8 @@ class _Entry:
     root: bool = False
 
     def key(self) -> str:
-        return merge_key(_plain(self.longrepr) + "\n" + self.text)
+        # Each rank's fsdp2_rank differs by design: not a difference between their failures.
+        return merge_key(_plain(mask_rank_values(self.longrepr, "?")) + "\n" + self.text)
 
 
 class RankFailureRepr(TerminalRepr):
@@ -326,6 +334,7 @@ def _failure(
         same = next((e for e in entries if e.key() == entry.key()), None)
         if same is not None:
             same.ranks.append(member.rank)
+            same.longrepr = mask_rank_values(same.longrepr, PER_RANK_SHOWN)
         else:
             entries.append(entry)
     for member in skipping:

@@ -15,6 +15,9 @@ merges the ranks' failures of one test:
   printed set sorted (set order follows hashes, which differ per process: ``--showlocals``
   prints ``{'b', 'a'}`` on one rank and ``{'a', 'b'}`` on the other), so that tracebacks that
   differ only in those merge into one ("ranks 0,1,2").
+- :func:`mask_rank_values` replaces the values of the runner's per-rank fixtures (``fsdp2_rank``,
+  ``fsdp2_device``) where pytest prints a test's arguments (and its locals, under ``-l``): they
+  differ on every rank by design, so without it a test that takes ``fsdp2_rank`` never merges.
 - :func:`condense_stacks` shortens faulthandler's dump of a stopped rank to the test's frames:
   the rank session's own threads dropped, each stack cut where pytest's machinery begins.
 """
@@ -28,7 +31,14 @@ import tempfile
 from pathlib import Path
 from typing import Any, Final
 
-from _pytest._code.code import ExceptionChainRepr, ReprEntry, ReprExceptionInfo, ReprTraceback
+from _pytest._code.code import (
+    ExceptionChainRepr,
+    ReprEntry,
+    ReprExceptionInfo,
+    ReprFuncArgs,
+    ReprLocals,
+    ReprTraceback,
+)
 
 from pytest_fp32keep.runner.waits import WATCH_THREAD_FUNCTION
 
@@ -39,6 +49,10 @@ HIDDEN_FOLDERS: Final[tuple[str, ...]] = (
 #: The same folders as a rank may name them relative to its rootdir.
 _HIDDEN_RELATIVE: Final = ("pytest_fp32keep/contract/",)
 
+#: The runner's fixtures whose value is each rank's own (:mod:`.fixtures`).
+PER_RANK_FIXTURES: Final = frozenset({"fsdp2_rank", "fsdp2_device"})
+#: Their line among a frame's locals (``-l``), as pytest pads it: ``name<spaces> = value``.
+_PER_RANK_LOCAL: Final = re.compile(rf"^((?:{'|'.join(sorted(PER_RANK_FIXTURES))})\s* = ).*$")
 _ADDRESS: Final = re.compile(r"0x[0-9a-fA-F]+")
 _PATH: Final = re.compile(r"/[^\s:'\"()]+")
 _RANK_IN_PATH: Final = re.compile(r"rank[_-]?\d+")
@@ -92,14 +106,46 @@ def hide_library_frames(longrepr: Any) -> Any:
     """``longrepr`` without the frames in :data:`HIDDEN_FOLDERS` (a new object; the input is
     left as it is). Anything that is not pytest's exception repr comes back unchanged, as does a
     traceback made only of such frames (an error inside the library itself)."""
+    return _map_tracebacks(longrepr, _trim)
+
+
+def _map_tracebacks(longrepr: Any, change: Any) -> Any:
+    """``longrepr`` with ``change`` applied to each of its ``ReprTraceback`` (a new object; the
+    input is left as it is). Anything that is not pytest's exception repr comes back as it is."""
     if isinstance(longrepr, ExceptionChainRepr):
-        chain = [(_trim(tb), crash, descr) for tb, crash, descr in longrepr.chain]
-        trimmed = ExceptionChainRepr(chain)
-        trimmed.sections = list(longrepr.sections)
-        return trimmed
+        chain = [(change(tb), crash, descr) for tb, crash, descr in longrepr.chain]
+        changed = ExceptionChainRepr(chain)
+        changed.sections = list(longrepr.sections)
+        return changed
     if isinstance(longrepr, ReprExceptionInfo):
-        return dataclasses.replace(longrepr, reprtraceback=_trim(longrepr.reprtraceback))
+        return dataclasses.replace(longrepr, reprtraceback=change(longrepr.reprtraceback))
     return longrepr
+
+
+def _mask_entry(entry: Any, shown: str) -> Any:
+    if not isinstance(entry, ReprEntry):
+        return entry
+    funcargs, local_vars = entry.reprfuncargs, entry.reprlocals
+    if funcargs is not None:
+        args = [(n, shown if n in PER_RANK_FIXTURES else v) for n, v in funcargs.args]
+        funcargs = ReprFuncArgs(args)
+    if local_vars is not None:
+        lines = [
+            _PER_RANK_LOCAL.sub(lambda m: m.group(1) + shown, line) for line in local_vars.lines
+        ]
+        local_vars = ReprLocals(lines)
+    return dataclasses.replace(entry, reprfuncargs=funcargs, reprlocals=local_vars)
+
+
+def mask_rank_values(longrepr: Any, shown: str) -> Any:
+    """``longrepr`` with the printed value of every :data:`PER_RANK_FIXTURES` argument (and
+    local) replaced by ``shown`` (a new object; the input is left as it is)."""
+
+    def mask(traceback: ReprTraceback) -> ReprTraceback:
+        entries = [_mask_entry(entry, shown) for entry in traceback.reprentries]
+        return dataclasses.replace(traceback, reprentries=entries)
+
+    return _map_tracebacks(longrepr, mask)
 
 
 def _sorted_set(match: re.Match[str]) -> str:

@@ -170,7 +170,7 @@ def test_every_check_kind_has_a_what_to_do_line() -> None:
 # --- rank tracebacks -----------------------------------------------------------------------
 
 
-def _raised(call: Callable[[], Any]) -> ExceptionChainRepr:
+def _raised(call: Callable[[], Any], showlocals: bool = False) -> ExceptionChainRepr:
     """pytest's long repr of what ``call`` raises, as pytest makes it in a rank."""
     try:
         call()
@@ -178,7 +178,7 @@ def _raised(call: Callable[[], Any]) -> ExceptionChainRepr:
         info = pytest.ExceptionInfo.from_current()
     else:  # pragma: no cover - the calls below all raise
         raise AssertionError("expected an exception")
-    made = info.getrepr(style="long", funcargs=True, chain=True)
+    made = info.getrepr(style="long", funcargs=True, chain=True, showlocals=showlocals)
     assert isinstance(made, ExceptionChainRepr)
     return made
 
@@ -236,6 +236,59 @@ def test_tracebacks_that_really_differ_are_not_merged() -> None:
     assert "ranks 0,1 (root cause: first to fail)" in text
     assert re.search(r"-+ rank 2 -+", text), text
     assert "master_dtype='fp16'" in text
+
+
+def a_test_of_the_user(fsdp2_rank: int, fsdp2_device: str, fsdp2_world_size: int) -> None:
+    """Stands for a test that takes the runner's per-rank fixtures (pytest prints its
+    arguments, and under ``-l`` its locals, with each rank's own values)."""
+    expected = {"layers.0": "float32"}
+    assert expected["layers.0"] == f"bfloat16 on {fsdp2_world_size} ranks"
+
+
+def a_test_that_fails_per_rank(fsdp2_rank: int, fsdp2_device: str, fsdp2_world_size: int) -> None:
+    """Stands for a test whose failure itself differs per rank."""
+    assert fsdp2_rank == 5
+
+
+def _as_rank(rank: int, test: Callable[[int, str, int], None]) -> Callable[[], None]:
+    """``test`` as rank ``rank`` calls it (through a frame whose own argument is named like the
+    fixture, as the test's is: only the fixtures' values differ between the ranks)."""
+
+    def run(fsdp2_rank: int = rank) -> None:
+        test(fsdp2_rank, f"cuda:{fsdp2_rank}", 3)
+
+    return run
+
+
+@pytest.mark.parametrize("showlocals", [False, True], ids=["args", "args-and-locals"])
+def test_identical_failures_merge_although_each_rank_prints_its_own_fsdp2_rank(
+    showlocals: bool,
+) -> None:
+    raised = [_raised(_as_rank(rank, a_test_of_the_user), showlocals) for rank in range(3)]
+    raw = [str(r) for r in raised]
+    assert "fsdp2_rank = 1, fsdp2_device = 'cuda:1', fsdp2_world_size = 3" in raw[1]
+    assert ("fsdp2_device = 'cuda:1'\n" in raw[1]) is showlocals  # a local on its own line
+    text = _merged_text(raised)
+    assert "ranks 0,1,2 (root cause: first to fail)" in text
+    assert text.count("AssertionError: assert 'float32' == 'bfloat16 on 3 ranks'") == 1, text
+    # one block for three ranks: no rank's value stands for the others; the rest is kept
+    assert "fsdp2_rank = <per rank>, fsdp2_device = <per rank>, fsdp2_world_size = 3" in text
+    assert ("fsdp2_device = <per rank>\n" in text) is showlocals
+    assert ("expected   = {'layers.0': 'float32'}" in text) is showlocals
+    assert not re.search(r"fsdp2_rank\s*= \d", text), text
+    # negative control: without the masking, each rank's block differs
+    assert len({merge_key(r) for r in raw}) == 3
+
+
+def test_failures_that_differ_by_more_than_the_rank_keep_their_values() -> None:
+    raised = [_raised(_as_rank(rank, a_test_that_fails_per_rank)) for rank in range(2)]
+    text = _merged_text(raised)
+    assert re.search(r"-+ rank 0 \(root cause: first to fail\) -+", text), text
+    assert re.search(r"-+ rank 1 -+", text), text
+    assert "E       assert 0 == 5" in text and "E       assert 1 == 5" in text
+    assert "fsdp2_rank = 0, fsdp2_device = 'cuda:0'" in text  # each block its own values
+    assert "fsdp2_rank = 1, fsdp2_device = 'cuda:1'" in text
+    assert "<per rank>" not in text
 
 
 def test_a_traceback_only_of_library_frames_is_left_whole() -> None:

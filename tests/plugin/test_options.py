@@ -23,15 +23,18 @@ def test_help_lists_options_with_defaults_and_ini_keys(pytester: pytest.Pytester
             "*--fsdp-nproc=N*",
             "*--fsdp-backend={auto,gloo,nccl}*",
             "*--fsdp-timeout=SECONDS*",
+            "*--fsdp-max-nproc=N*",
             "*fsdp_nproc (string):*",
             "*fsdp_backend (string):*",
             "*fsdp_timeout (string):*",
+            "*fsdp_max_nproc (string):*",
         ]
     )
     text = " ".join(result.stdout.str().split())
     assert "(default: 2; ini key: fsdp_nproc)" in text
     assert "(default: auto; ini key: fsdp_backend)" in text
     assert "(default: 300; ini key: fsdp_timeout)" in text
+    assert "(default: no cap; ini key: fsdp_max_nproc; environment: FP32KEEP_MAX_NPROC)" in text
 
 
 def test_marker_is_registered(pytester: pytest.Pytester) -> None:
@@ -39,6 +42,8 @@ def test_marker_is_registered(pytester: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(
         ["@pytest.mark.fsdp2(nproc=None, backend=None, isolated=False, timeout=None):*"]
     )
+    text = " ".join(result.stdout.str().split())
+    assert "a list such as nproc=[1, 2, 4] runs the test once per world size" in text
 
 
 NPROC_MESSAGE = "expected a positive integer number of ranks, got"
@@ -71,6 +76,9 @@ TIMEOUT_MESSAGE = "expected a positive number of seconds, got"
         ),
         pytest.param(
             "--fsdp-timeout=nan", f"--fsdp-timeout=nan: {TIMEOUT_MESSAGE} 'nan'", id="timeout-nan"
+        ),
+        pytest.param(
+            "--fsdp-max-nproc=0", f"--fsdp-max-nproc=0: {NPROC_MESSAGE} '0'", id="max-nproc-0"
         ),
     ],
 )
@@ -117,6 +125,7 @@ def test_nccl_with_more_ranks_than_gpus_is_skipped_naming_the_counts(
         ("fsdp_nproc = 0", "ini key 'fsdp_nproc' in *tox.ini: expected a positive integer"),
         ("fsdp_backend = cuda", "ini key 'fsdp_backend' in *tox.ini: expected one of auto, gloo"),
         ("fsdp_timeout = -1", "ini key 'fsdp_timeout' in *tox.ini: expected a positive number"),
+        ("fsdp_max_nproc = 1.5", "ini key 'fsdp_max_nproc' in *tox.ini: expected a positive int"),
     ],
 )
 def test_invalid_ini_value_is_a_usage_error_naming_the_key(
