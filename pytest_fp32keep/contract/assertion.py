@@ -66,6 +66,7 @@ from pytest_fp32keep.contract.master import (
     expected_storage,
     validate_master_dtype,
 )
+from pytest_fp32keep.contract.own_warnings import own_sharding_warnings
 from pytest_fp32keep.contract.parity_policy import ControlMeasure
 from pytest_fp32keep.contract.reference import build_unsharded_reference, seeded
 from pytest_fp32keep.contract.report import ContractReport, ContractViolation, Finding, KeptTensor
@@ -347,6 +348,7 @@ def _kept_rows(
     )
 
 
+@own_sharding_warnings  # torch's view-tensor warning about the units it shards: not an error
 def assert_fp32_keep_contract(
     model_factory: Callable[[], nn.Module],
     batch_factory: Callable[[nn.Module], Any],
