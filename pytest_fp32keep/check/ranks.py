@@ -131,6 +131,7 @@ def _run_case(
     device: str,
     master_dtype: str | None = None,
     measure_spread: bool = False,
+    expect_kept: int | None = None,
 ) -> dict[str, Any]:
     # The same seed before every case on every rank: a --batch function that draws from the
     # global generators builds the same batch in every rank and every run (the model itself is
@@ -159,6 +160,7 @@ def _run_case(
             forward_prefetch=prefetch,
             master_dtype=MASTER_DTYPES[master_dtype],
             measure_spread=measure_spread,
+            expect_kept=expect_kept,
         )
     except KeepLayoutError as error:
         judge_refusal(case, target, DTYPES[dtype_name], error)
@@ -252,6 +254,7 @@ def _run(spec: dict[str, Any], out_path: str) -> None:
                     device,
                     spec.get("master_dtype"),
                     bool(spec.get("measure_spread")),
+                    spec.get("expect_kept"),
                 )
             )
             if merged is None:

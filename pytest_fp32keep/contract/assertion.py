@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,6 +61,12 @@ from pytest_fp32keep.contract.checks.parity import check_parity
 from pytest_fp32keep.contract.checks.round_trip import check_round_trip
 from pytest_fp32keep.contract.checks.storage import check_materialized, check_stored
 from pytest_fp32keep.contract.control import control_run, measure_control, unit_layout
+from pytest_fp32keep.contract.kept import (
+    check_kept_count,
+    kept_rows,
+    nothing_kept_note,
+    validate_expect_kept,
+)
 from pytest_fp32keep.contract.master import (
     as_master_grads,
     expected_storage,
@@ -69,7 +75,7 @@ from pytest_fp32keep.contract.master import (
 from pytest_fp32keep.contract.own_warnings import own_sharding_warnings
 from pytest_fp32keep.contract.parity_policy import ControlMeasure
 from pytest_fp32keep.contract.reference import build_unsharded_reference, seeded
-from pytest_fp32keep.contract.report import ContractReport, ContractViolation, Finding, KeptTensor
+from pytest_fp32keep.contract.report import ContractReport, ContractViolation, Finding
 from pytest_fp32keep.contract.steps import (
     CastFn,
     LoadFn,
@@ -330,24 +336,6 @@ def _compare_runs(
     return findings, notes, seen
 
 
-def _kept_rows(
-    plan: KeepPlan, findings: Sequence[Finding], seen: Mapping[str, str]
-) -> tuple[KeptTensor, ...]:
-    """One row per kept tensor: its plan entry, and its stored and all-gathered dtypes."""
-    return tuple(
-        KeptTensor(
-            fqn=name,
-            entry=(plan.match_for(name) or fp32keep.KeepMatch("?", "regular")).entry,
-            list_kind=(plan.match_for(name) or fp32keep.KeepMatch("?", "regular")).list_kind,
-            stored=next(
-                (f.observed for f in findings if f.check == "stored" and f.subject == name), "-"
-            ),
-            materialized=seen.get(name, "-"),
-        )
-        for name in sorted(plan.names)
-    )
-
-
 @own_sharding_warnings  # torch's view-tensor warning about the units it shards: not an error
 def assert_fp32_keep_contract(
     model_factory: Callable[[], nn.Module],
@@ -367,6 +355,7 @@ def assert_fp32_keep_contract(
     load: LoadFn = default_load,
     master_dtype: torch.dtype | None = None,
     measure_spread: bool = False,
+    expect_kept: int | None = None,
 ) -> ContractReport:
     """Check the FP32-keep contract for one model; call it in every rank of ``mesh``.
 
@@ -409,6 +398,8 @@ def assert_fp32_keep_contract(
             far its two runs differ (``docs/contract.md``, "Determinism"); a diagnostic (CI's
             GPU check), never needed for a verdict: the control runs twice by itself wherever
             the runs are not known to be deterministic.
+        expect_kept: fail (a ``kept count`` row) when fewer than this many tensor names are
+            kept in FP32; a report that keeps nothing always says why in a note (:mod:`.kept`).
 
     Every forward and backward (the reference's, the implementation's, the control's) runs with
     ``torch.use_deterministic_algorithms(True, warn_only=True)``, the caller's setting restored
@@ -434,12 +425,14 @@ def assert_fp32_keep_contract(
             which tensor, expected against observed (a crash included), on every rank.
         KeepLayoutError: the default ``shard`` refused the layout on every rank (the contract's
             answer to a layout FSDP2 cannot keep, re-raised as is).
-        ValueError: ``master_dtype`` is neither ``None`` nor ``torch.float32`` (raised before
-            anything is built); or the ranks built different batches ("rank 1 built a
-            different batch: input_ids differ; ... seed your batch_factory") or keep plans,
-            raised on every rank before the model under test is cast.
+        ValueError: ``master_dtype`` is neither ``None`` nor ``torch.float32``, or
+            ``expect_kept`` neither ``None`` nor a whole number (raised before anything is
+            built); or the ranks built different batches ("rank 1 built a different batch:
+            input_ids differ; ... seed your batch_factory") or keep plans, raised on every rank
+            before the model under test is cast.
     """
     master_dtype = validate_master_dtype(master_dtype)
+    expect_kept = validate_expect_kept(expect_kept)
     if cast is default_cast and master_dtype is not None:
         cast = master_cast
     policy = mp_policy or MixedPrecisionPolicy(
@@ -483,7 +476,8 @@ def assert_fp32_keep_contract(
         steps.prepare()
         steps.run_model()
         notes, seen = steps.compare()
-        findings = steps.findings
+        findings = steps.findings + check_kept_count(models.plan, expect_kept)
+        notes += filter(None, [nothing_kept_note(models.plan)])
     findings += agreement.findings()
     notes += agreement.notes()
     name = getattr(model_factory, "__name__", type(model_factory).__name__)
@@ -491,7 +485,7 @@ def assert_fp32_keep_contract(
         model_name=type(models.reference).__name__ if models is not None else name,
         dtype=dtype,
         context=describe_context(autocast, forward_prefetch),
-        kept=_kept_rows(models.plan, findings, seen) if models is not None else (),
+        kept=kept_rows(models.plan, findings, seen) if models is not None else (),
         findings=tuple(findings),
         notes=tuple(notes),
     )
