@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from pytest_fp32keep import ContractViolation, assert_fp32_keep_contract
 from pytest_fp32keep.check.zoo import transformers_version
 from tests.cli.targets import regular_stack, toy_batch
+from tests.error_bounds import LIBRARY_BOUND_S, within
 
 #: 5.0.0 applies the regular list at every dtype; every other supported release under fp16 only.
 NO_GATE = Version(transformers_version()).release == (5, 0, 0)
@@ -57,7 +58,7 @@ def test_the_same_list_at_fp16_keeps_and_has_no_such_note(fsdp2_mesh: DeviceMesh
 @pytest.mark.fsdp2
 def test_expect_kept_fails_a_run_that_keeps_fewer(fsdp2_mesh: DeviceMesh) -> None:
     # fp16: two kept in every release; three asked for
-    with pytest.raises(ContractViolation, match="kept count") as fewer:
+    with within(LIBRARY_BOUND_S), pytest.raises(ContractViolation, match="kept count") as fewer:
         assert_fp32_keep_contract(
             regular_stack, toy_batch, mesh=fsdp2_mesh, dtype=torch.float16, expect_kept=3
         )
@@ -90,7 +91,10 @@ def _never_built() -> torch.nn.Module:
     ],
 )
 def test_a_bad_expect_kept_is_refused_before_anything_is_built(value: object) -> None:
-    with pytest.raises(ValueError, match=r"expect_kept=.*expected None or a whole number"):
+    with (
+        within(LIBRARY_BOUND_S),
+        pytest.raises(ValueError, match=r"expect_kept=.*expected None or a whole number"),
+    ):
         assert_fp32_keep_contract(
             _never_built,
             toy_batch,
