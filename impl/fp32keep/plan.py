@@ -69,6 +69,9 @@ class KeepPlan:
         semantics_group: ``"A"`` (4.56–4.57), ``"B"`` (5.0.0) or ``"C"`` (5.1 and later).
         regular_entries: entries of ``_keep_in_fp32_modules`` that applied at ``dtype``.
         strict_entries: entries of ``_keep_in_fp32_modules_strict`` that applied at ``dtype``.
+        regular_dropped, strict_dropped: entries declared in that list which the release's
+            dtype gate drops at ``dtype`` (T5's ``wo`` at bf16 in 4.56-4.57 and 5.1+:
+            ``_keep_in_fp32_modules`` applies under fp16 only).
         param_names: FQNs of kept parameters, all aliases.
         buffer_names: FQNs of kept floating buffers, all aliases.
         matches: for every kept FQN, the entry and list that caught it.
@@ -89,6 +92,8 @@ class KeepPlan:
     buffer_names: frozenset[str]
     matches: Mapping[str, KeepMatch] = field(repr=False)
     model_name: str = "model"
+    regular_dropped: tuple[str, ...] = ()
+    strict_dropped: tuple[str, ...] = ()
     declared_by: tuple[str, ...] = ("",)
     unobserved: tuple[str, ...] = ()
 
@@ -350,6 +355,7 @@ def resolve_keep_plan(
         runtime = semantics.group == _installed_group()
     regular: list[str] = []
     strict: list[str] = []
+    dropped: dict[ListKind, list[str]] = {"regular": [], "strict": []}
     scopes: list[_Scope] = []
     roots = _declaring_roots(model)
     for prefix, root in roots:
@@ -360,6 +366,8 @@ def resolve_keep_plan(
                 _validate_segments(root, kind, entries)
             if semantics.applies(kind, dtype):
                 (root_regular if kind == "regular" else root_strict).extend(entries)
+            else:
+                dropped[kind].extend(entries)
         # 5.x builds a dict keyed by entry (regular first), so a duplicate keeps its first place.
         ordered: dict[str, ListKind] = dict.fromkeys(root_regular, "regular")
         for entry in root_strict:
@@ -389,6 +397,8 @@ def resolve_keep_plan(
         buffer_names=buffer_names,
         matches=MappingProxyType(matches),
         model_name=type(model).__name__,
+        regular_dropped=tuple(dict.fromkeys(dropped["regular"])),
+        strict_dropped=tuple(dict.fromkeys(dropped["strict"])),
         declared_by=tuple(prefix for prefix, _ in roots),
         unobserved=tuple(c.note for _, c in observed if c.note),
     )

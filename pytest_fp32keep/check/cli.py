@@ -1,8 +1,9 @@
 """``fp32keep check``: run the FP32-keep contract on the zoo or on your models, in N ranks.
 
     fp32keep check [TARGET ...] [--nproc N] [--dtype bf16,fp16] [--context autocast,direct]
-                   [--prefetch] [--master-dtype fp32] [--measure-spread] [--batch MODULE:FUNCTION]
-                   [--report FILE.md] [--report-json FILE.json] [--timeout SECONDS]
+                   [--prefetch] [--master-dtype fp32] [--measure-spread] [--expect-kept N]
+                   [--batch MODULE:FUNCTION] [--report FILE.md] [--report-json FILE.json]
+                   [--timeout SECONDS]
 
 A TARGET is a zoo name (``fp32keep check --list`` shows them) or ``package.module:factory``, a
 zero-argument function returning an ``nn.Module``. ``--family NAME`` (repeatable; a folder under
@@ -160,6 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the parity control twice on every case and report how far its two runs "
         "differ (a diagnostic: the control already runs twice wherever a run is not known to "
         "be deterministic; docs/contract.md)",
+    )
+    check.add_argument(
+        "--expect-kept",
+        type=_positive_int("--expect-kept"),
+        default=None,
+        metavar="N",
+        help="fail every case that keeps fewer than N tensors in FP32 (a case that keeps "
+        "nothing otherwise passes as 'pass (nothing kept)', with a note saying why)",
     )
     check.add_argument(
         "--batch",
@@ -367,6 +376,7 @@ def check(args: argparse.Namespace, usage_error: UsageError) -> int:
         "prefetch": [False, True] if args.prefetch else [False],
         "master_dtype": args.master_dtype,
         "measure_spread": args.measure_spread,
+        "expect_kept": args.expect_kept,
         "progress": progress,
         "width": width,
     }

@@ -35,7 +35,6 @@ import gc
 import json
 import os
 import random
-import re
 import sys
 import traceback
 import warnings
@@ -56,6 +55,7 @@ from pytest_fp32keep.check.render import progress_line
 from pytest_fp32keep.check.targets import Target, resolve_targets
 from pytest_fp32keep.contract import CHECKS, ContractViolation, assert_fp32_keep_contract
 from pytest_fp32keep.contract.determinism import CUBLAS_DETERMINISTIC_CONFIGS
+from pytest_fp32keep.contract.own_warnings import VIEW_TENSOR_WARNING
 from pytest_fp32keep.runner.processes import init_process_group_kwargs
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -63,9 +63,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MASTER_DTYPES = {None: None, "fp32": torch.float32}
 #: Python's and torch's global seed before each case.
 CASE_SEED = 0
-#: torch's warning (``torch/distributed/fsdp/_fully_shard/_fsdp_state.py``) that an FSDP2 unit
-#: returned a view tensor; the group is the unit's class names.
-VIEW_WARNING = re.compile(r"FSDP2-wrapped module \((?P<modules>[^)]*)\) returned a view tensor")
 
 
 class ViewWarnings:
@@ -101,9 +98,9 @@ class ViewWarnings:
         file: TextIO | None = None,
         line: str | None = None,
     ) -> None:
-        match = VIEW_WARNING.search(str(message))
+        match = VIEW_TENSOR_WARNING.search(str(message))
         if match is not None and issubclass(category, UserWarning):
-            self.counts[match["modules"]] += 1
+            self.counts[match["modules"] or "?"] += 1
             return
         self._shown(message, category, filename, lineno, file, line)
 
@@ -134,6 +131,7 @@ def _run_case(
     device: str,
     master_dtype: str | None = None,
     measure_spread: bool = False,
+    expect_kept: int | None = None,
 ) -> dict[str, Any]:
     # The same seed before every case on every rank: a --batch function that draws from the
     # global generators builds the same batch in every rank and every run (the model itself is
@@ -162,6 +160,7 @@ def _run_case(
             forward_prefetch=prefetch,
             master_dtype=MASTER_DTYPES[master_dtype],
             measure_spread=measure_spread,
+            expect_kept=expect_kept,
         )
     except KeepLayoutError as error:
         judge_refusal(case, target, DTYPES[dtype_name], error)
@@ -255,6 +254,7 @@ def _run(spec: dict[str, Any], out_path: str) -> None:
                     device,
                     spec.get("master_dtype"),
                     bool(spec.get("measure_spread")),
+                    spec.get("expect_kept"),
                 )
             )
             if merged is None:

@@ -57,6 +57,8 @@ def case_result(case: dict[str, Any]) -> str:
         result = "pass (refused)" if case["ok"] else "FAIL (refused)"
     elif case["expect_layout_error"]:
         result = "FAIL (not refused)"
+    elif case["outcome"] == "pass" and not case.get("kept"):
+        result = "pass (nothing kept)"  # every row held vacuously: no tensor was kept in FP32
     else:
         result = {"pass": "pass", "fail": "FAIL", "error": "ERROR"}[case["outcome"]]
     if not case.get("ranks_agree", True) and case.get("failed_ranks"):
@@ -180,6 +182,11 @@ def legend_text(cases: list[dict[str, Any]], *, short_headers: bool) -> str:
     if any(row.get("materialized") == "-" for case in cases for row in case.get("kept", [])):
         text += " (- = never all-gathered, e.g. a buffer)"
     text += "."
+    if any(case_result(case).startswith("pass (nothing kept)") for case in cases):
+        text += (
+            " pass (nothing kept) = the contract held with no tensor kept in FP32 at this dtype,"
+            " so it checked nothing kept (a note says why; --expect-kept N fails such a case)."
+        )
     if any(case["outcome"] == "refused" for case in cases):
         text += (
             " pass (refused) = apply_fsdp2 refused a layout FSDP2 cannot keep"
@@ -202,9 +209,25 @@ def notes(result: dict[str, Any]) -> list[str]:
             "place, which skips an all-gather (backward would then fail or the gradients "
             "differ, and this check would report it)."
         )
+    found += nothing_kept_notes(result["cases"])
     for name, reason in result.get("unavailable", {}).items():
         found.append(f"not checked: {name}: {reason}")
     return found
+
+
+def nothing_kept_notes(cases: list[dict[str, Any]]) -> list[str]:
+    """The contract's note for each case that kept nothing, once per target, dtype and note
+    (``t5 bf16: nothing is kept in FP32 at bfloat16: ...``; every context shares it)."""
+    # Here, not at the top: the contract imports torch, which the command's usage errors and
+    # --list must not wait for.
+    from pytest_fp32keep.contract.kept import NOTHING_KEPT
+
+    grouped: dict[tuple[str, str, str], None] = {}
+    for case in cases:
+        for note in case.get("notes", []):
+            if note.startswith(NOTHING_KEPT):
+                grouped[(case["target"], case["dtype"], note)] = None
+    return [f"{target} {dtype}: {note}" for target, dtype, note in grouped]
 
 
 def _finding_lines(case: dict[str, Any]) -> list[str]:

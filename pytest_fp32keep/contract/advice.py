@@ -56,6 +56,11 @@ WHAT_TO_DO: Final[dict[str, str]] = {
     "round trip": "a full state dict did not load back exactly in the destination dtype (the "
     "checkpoint's dtype won): load with fp32keep.load_full_state_dict, or copy_ into the "
     "existing parameters instead of load_state_dict(assign=True)",
+    "kept count": "fewer tensors are kept in FP32 than expect_kept asks for: the plan keeps what "
+    "the installed Transformers keeps at this dtype, and the report's note names the lists its "
+    "dtype gate dropped (_keep_in_fp32_modules applies under fp16 only, except in 5.0.0); test "
+    "at the dtype the declaration is for, declare _keep_in_fp32_modules_strict, or lower "
+    "expect_kept",
     "crashed": "a step of the implementation under test raised (the subject names it: cast, "
     "shard, load, forward, backward or batch); its error is in the observed cell. A "
     "KeepLayoutError from shard is a layout FSDP2 cannot keep: see docs/errors.md, rows L1-L6. "

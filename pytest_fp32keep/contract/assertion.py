@@ -53,9 +53,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fp32keep.layout import WrapSpec
+from pytest_fp32keep.contract.kept import (
+    check_kept_count,
+    kept_rows,
+    nothing_kept_note,
+    validate_expect_kept,
+)
 from pytest_fp32keep.contract.master import validate_master_dtype
+from pytest_fp32keep.contract.own_warnings import own_sharding_warnings
 from pytest_fp32keep.contract.report import ContractReport, ContractViolation, Finding
-from pytest_fp32keep.contract.sequence import Setup, Steps, build_models, kept_rows
+from pytest_fp32keep.contract.sequence import Setup, Steps, build_models
 from pytest_fp32keep.contract.steps import (
     CastFn,
     LoadFn,
@@ -70,6 +77,7 @@ from pytest_fp32keep.contract.steps import (
 from pytest_fp32keep.contract.verdicts import STEPS, Agreement, plan_account, plan_problem
 
 
+@own_sharding_warnings  # torch's view-tensor warning about the units it shards: not an error
 def assert_fp32_keep_contract(
     model_factory: Callable[[], nn.Module],
     batch_factory: Callable[[nn.Module], Any],
@@ -89,6 +97,7 @@ def assert_fp32_keep_contract(
     master_dtype: torch.dtype | None = None,
     measure_spread: bool = False,
     load_on_every_rank: bool = False,
+    expect_kept: int | None = None,
 ) -> ContractReport:
     """Check the FP32-keep contract for one model; call it in every rank of ``mesh``.
 
@@ -137,6 +146,8 @@ def assert_fp32_keep_contract(
             the runs are not known to be deterministic.
         load_on_every_rank: hand ``load`` the checkpoint on every rank, for loaders that read
             the whole dict on each rank (nemo-automodel's); default: rank 0 only.
+        expect_kept: fail (a ``kept count`` row) when fewer than this many tensor names are
+            kept in FP32; a report that keeps nothing always says why in a note (:mod:`.kept`).
 
     A model with no parameter that requires a gradient (a frozen reference or teacher model) is
     judged forward only: no backward runs, and the report's notes say that gradients were not
@@ -167,12 +178,14 @@ def assert_fp32_keep_contract(
         KeepLayoutError: the default ``shard`` refused the layout on every rank (the contract's
             answer to a layout FSDP2 cannot keep, re-raised as is).
         TypeError: ``load_on_every_rank`` is not a bool.
-        ValueError: ``master_dtype`` is neither ``None`` nor ``torch.float32`` (raised before
-            anything is built); or the ranks built different batches ("rank 1 built a
-            different batch: input_ids differ; ... seed your batch_factory") or keep plans,
-            raised on every rank before the model under test is cast.
+        ValueError: ``master_dtype`` is neither ``None`` nor ``torch.float32``, or
+            ``expect_kept`` neither ``None`` nor a whole number (raised before anything is
+            built); or the ranks built different batches ("rank 1 built a different batch:
+            input_ids differ; ... seed your batch_factory") or keep plans, raised on every rank
+            before the model under test is cast.
     """
     master_dtype = validate_master_dtype(master_dtype)
+    expect_kept = validate_expect_kept(expect_kept)
     if not isinstance(load_on_every_rank, bool):
         raise TypeError(
             f"assert_fp32_keep_contract(load_on_every_rank={load_on_every_rank!r}): pass True "
@@ -223,7 +236,8 @@ def assert_fp32_keep_contract(
         steps.run_reference()
         steps.run_model()
         seen = steps.compare()
-        findings, notes = steps.findings, steps.notes
+        findings = steps.findings + check_kept_count(models.plan, expect_kept)
+        notes = steps.notes + list(filter(None, [nothing_kept_note(models.plan)]))
     findings += agreement.findings()
     notes += agreement.notes()
     name = getattr(model_factory, "__name__", type(model_factory).__name__)

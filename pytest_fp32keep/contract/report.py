@@ -27,8 +27,16 @@ from pytest_fp32keep.contract.advice import (
 from pytest_fp32keep.contract.probe import dtype_name
 
 CheckName = Literal[
-    "stored", "materialized", "boundary", "operators", "parity", "round trip", "crashed"
+    "stored",
+    "materialized",
+    "boundary",
+    "operators",
+    "parity",
+    "round trip",
+    "kept count",
+    "crashed",
 ]
+#: ``kept count`` has a row only under ``expect_kept`` (:mod:`.kept`).
 CHECKS: tuple[CheckName, ...] = (
     "stored",
     "materialized",
@@ -36,6 +44,7 @@ CHECKS: tuple[CheckName, ...] = (
     "operators",
     "parity",
     "round trip",
+    "kept count",
     "crashed",
 )
 

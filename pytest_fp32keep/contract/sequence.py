@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,7 +45,7 @@ from pytest_fp32keep.contract.master import expected_storage
 from pytest_fp32keep.contract.parity_policy import ControlMeasure
 from pytest_fp32keep.contract.policy import cast_for_compute, expected_grads, unit_casts
 from pytest_fp32keep.contract.reference import build_unsharded_reference, seeded
-from pytest_fp32keep.contract.report import Finding, KeptTensor
+from pytest_fp32keep.contract.report import Finding
 from pytest_fp32keep.contract.steps import (
     CastFn,
     LoadFn,
@@ -60,7 +60,7 @@ from pytest_fp32keep.contract.steps import (
 from pytest_fp32keep.contract.verdicts import Agreement, batch_fingerprint, batch_problem
 from pytest_fp32keep.contract.weights import loaded_weights, loading, low_precision
 
-__all__ = ["Models", "Setup", "Steps", "build_models", "kept_rows"]
+__all__ = ["Models", "Setup", "Steps", "build_models"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,21 +331,3 @@ def _compare_runs(
     )
     findings += parity
     return findings, notes, seen
-
-
-def kept_rows(
-    plan: KeepPlan, findings: Sequence[Finding], seen: Mapping[str, str]
-) -> tuple[KeptTensor, ...]:
-    """One row per kept tensor: its plan entry, and its stored and all-gathered dtypes."""
-    return tuple(
-        KeptTensor(
-            fqn=name,
-            entry=(plan.match_for(name) or fp32keep.KeepMatch("?", "regular")).entry,
-            list_kind=(plan.match_for(name) or fp32keep.KeepMatch("?", "regular")).list_kind,
-            stored=next(
-                (f.observed for f in findings if f.check == "stored" and f.subject == name), "-"
-            ),
-            materialized=seen.get(name, "-"),
-        )
-        for name in sorted(plan.names)
-    )

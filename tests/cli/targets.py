@@ -18,6 +18,12 @@ def kept_stack() -> nn.Module:
     return stack_class(strict=["wo"])()
 
 
+def regular_stack() -> nn.Module:
+    """A toy decoder declaring ``wo`` in the regular list: kept under fp16, and (Transformers'
+    dtype gate, every release but 5.0.0) nothing kept under bf16."""
+    return stack_class(regular=["wo"])()
+
+
 def root_owned() -> nn.Module:
     """A toy whose kept parameter belongs to the root, beside one that is not kept: FSDP2
     cannot keep it (one unit would hold both)."""

@@ -54,6 +54,14 @@ ROOT = Path(__file__).resolve().parents[2]
             id="context-eager",
         ),
         pytest.param(["--timeout", "0"], "--timeout must be at least 1", id="timeout-0"),
+        pytest.param(
+            ["--expect-kept", "0"], "--expect-kept must be at least 1, got 0", id="expect-kept-0"
+        ),
+        pytest.param(
+            ["--expect-kept", "all"],
+            "--expect-kept must be a whole number, got 'all'",
+            id="expect-kept-all",
+        ),
     ],
 )
 def test_bad_options_are_usage_errors(
@@ -350,8 +358,8 @@ def test_layout_wraps_names_at_separators_and_never_widens() -> None:
 
 
 def test_progress_line_fits() -> None:
-    assert progress_line(3, 18, _case("t5"), 100) == "[3/18] t5 fp16 autocast ... pass"
-    long = progress_line(1, 2, _case("a.very.long.module.name:factory" * 4), 60)
+    assert progress_line(3, 18, _case("t5", kept=4), 100) == "[3/18] t5 fp16 autocast ... pass"
+    long = progress_line(1, 2, _case("a.very.long.module.name:factory" * 4, kept=1), 60)
     assert len(long) == 60
     assert long.endswith("... ... pass")
 
