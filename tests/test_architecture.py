@@ -226,3 +226,84 @@ def test_the_private_state_rule_catches_a_read(tmp_path: Path) -> None:
         ".fsdp_params",
         "._module_info",
     }
+
+
+def _exported(init: Path) -> frozenset[str]:
+    """The names of the ``__all__`` list literal in ``init`` (read, not imported)."""
+    for node in ast.parse(init.read_text(encoding="utf-8")).body:
+        if (
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+            and isinstance(node.value, ast.List | ast.Tuple)
+        ):
+            return frozenset(
+                element.value
+                for element in node.value.elts
+                if isinstance(element, ast.Constant) and isinstance(element.value, str)
+            )
+    raise AssertionError(f"{init} has no __all__ list")
+
+
+def _library_names_used(path: Path) -> list[tuple[int, str]]:
+    """``(line, name)`` for every name ``path`` takes from ``fp32keep``: ``from fp32keep[.sub]
+    import NAME``, ``import fp32keep.SUB`` and ``fp32keep.NAME`` after ``import fp32keep``."""
+    used: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if _within(node.module, "fp32keep"):
+                used += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            used += [
+                (node.lineno, alias.name.split(".")[1])
+                for alias in node.names
+                if alias.name.startswith("fp32keep.")
+            ]
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "fp32keep"
+        ):
+            used.append((node.lineno, node.attr))
+    return used
+
+
+def _unexported_uses(paths: list[Path], exported: frozenset[str]) -> list[str]:
+    return [
+        f"{_module_name(path) if path.is_relative_to(ROOT) else path}:{line} uses fp32keep's {name}"
+        for path in paths
+        for line, name in _library_names_used(path)
+        if name not in exported
+    ]
+
+
+def test_the_plugin_uses_only_what_fp32keep_exports() -> None:
+    """The plugin is the library's first client: it may use only the public API, so a name it
+    needs is a name adopters can rely on too (``fp32keep.__all__``)."""
+    exported = _exported(LIBRARY / "__init__.py")
+    assert len(exported) >= 15, exported  # read the real list, not an empty one
+    offences = _unexported_uses(_modules(PLUGIN), exported)
+    assert offences == [], "export these from fp32keep, or stop using them:\n" + "\n".join(offences)
+
+
+def test_the_export_rule_catches_a_private_name(tmp_path: Path) -> None:
+    """Negative control: every way of reaching a name of ``fp32keep`` is read."""
+    module = tmp_path / "bad.py"
+    module.write_text(
+        "import fp32keep\nimport fp32keep.layout\n"
+        "from fp32keep import KeepPlan, tensors\nfrom fp32keep.plan import check_plan_fits\n"
+        "def f():\n    from fp32keep.layout import WrapSpec\n"
+        "    return fp32keep.apply_fsdp2, fp32keep.wrap.kept_unit_policy\n"
+    )
+    exported = frozenset({"KeepPlan", "WrapSpec", "apply_fsdp2"})
+    names = {name for _, name in _library_names_used(module)}
+    assert names == {"KeepPlan", "tensors", "check_plan_fits", "WrapSpec", "apply_fsdp2"} | {
+        "layout",
+        "wrap",
+    }
+    offences = _unexported_uses([module], exported)
+    assert sorted(offence.rsplit(" ", 1)[1] for offence in offences) == [
+        "check_plan_fits",
+        "layout",
+        "tensors",
+        "wrap",
+    ]

@@ -42,8 +42,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from fp32keep import KeepPlan, keep_aware_cast
-from fp32keep.layout import WrapSpec
+from fp32keep import KeepPlan, WrapSpec, keep_aware_cast
 
 MIXED_PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 """accelerate's ``mixed_precision`` string for each low-precision ``param_dtype``."""

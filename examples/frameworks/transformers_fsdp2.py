@@ -34,8 +34,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers.distributed import DistributedConfig
 from transformers.distributed.fsdp import _get_fsdp_policy_kwargs
 
-from fp32keep import KeepPlan
-from fp32keep.layout import WrapSpec
+from fp32keep import KeepPlan, WrapSpec
 
 
 def distributed_config(world_size: int) -> DistributedConfig:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fp32keep.plan import KeepPlan, check_plan_fits, resolve_keep_plan
+from fp32keep.plan import KeepPlan, resolve_keep_plan
+from fp32keep.plan_use import check_plan_fits, check_plan_for_cast
 from fp32keep.tensors import check_float_dtype, is_castable_float, iter_owned, join
 
 
 @torch.no_grad()
 def keep_aware_cast(
-    model: nn.Module, dtype: torch.dtype, plan: KeepPlan | None = None
+    model: nn.Module, dtype: torch.dtype, *, plan: KeepPlan | None = None
 ) -> nn.Module:
     """Cast ``model`` to ``dtype`` in place, keeping the plan's tensors in FP32.
 
@@ -24,15 +25,23 @@ def keep_aware_cast(
     Args:
         model: the module to cast.
         dtype: the target dtype for tensors that are not kept.
-        plan: a plan from :func:`resolve_keep_plan`; resolved for ``dtype`` when omitted.
+        plan: a plan from :func:`resolve_keep_plan` for this model and ``dtype`` (keyword
+            only); resolved for ``dtype`` when omitted.
 
     Returns:
         ``model``.
+
+    Raises:
+        KeepPlanError: ``plan`` was resolved for another dtype than ``dtype`` (the message
+            names both), or names tensors ``model`` does not have. Checked before anything is
+            cast.
+        Fp32KeepTypeError / Fp32KeepValueError: ``dtype`` is not a floating torch dtype.
     """
     check_float_dtype(dtype, what="dtype")
     if plan is None:
         plan = resolve_keep_plan(model, dtype)
     else:
+        check_plan_for_cast(plan, dtype)
         check_plan_fits(model, plan)
     replaced: dict[int, torch.Tensor] = {}
     for module_fqn, module, attribute, tensor, is_param in iter_owned(model):

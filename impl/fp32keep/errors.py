@@ -1,4 +1,9 @@
-"""The exceptions fp32keep raises at its boundaries, before it changes anything."""
+"""The exceptions fp32keep raises at its boundaries, before it changes anything.
+
+Every one derives from :class:`Fp32KeepError` (``except fp32keep.Fp32KeepError`` catches all
+that the library raises) and from the built-in exception it has always been, so an
+``except ValueError`` written before the common base existed still catches what it caught.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,40 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
-class KeepDeclarationError(ValueError):
+class Fp32KeepError(Exception):
+    """The base of every error fp32keep raises.
+
+    Each concrete error also derives from a built-in exception (``ValueError``, ``TypeError``,
+    ``RuntimeError`` or ``NotImplementedError``), the one it raised before this base existed.
+    """
+
+
+class Fp32KeepValueError(Fp32KeepError, ValueError):
+    """A bad value: an argument, a model state or a rank disagreement fp32keep cannot work with."""
+
+
+class Fp32KeepTypeError(Fp32KeepError, TypeError):
+    """An argument of the wrong type (a mesh that is no ``DeviceMesh``, a dtype that is no
+    ``torch.dtype``, a checkpoint path where a state dict belongs)."""
+
+
+class Fp32KeepRuntimeError(Fp32KeepError, RuntimeError):
+    """The environment is not ready: no initialised process group, or a torch release whose
+    FSDP2 internals fp32keep's hooks cannot find."""
+
+
+class Fp32KeepNotImplementedError(Fp32KeepError, NotImplementedError):
+    """A supported-looking input fp32keep does not handle (tensor-parallel placements)."""
+
+
+class KeepDeclarationError(Fp32KeepValueError):
     """A ``_keep_in_fp32_modules``/``_keep_in_fp32_modules_strict`` declaration is unusable."""
+
+
+class KeepPlanError(Fp32KeepValueError):
+    """A keep plan used where it does not fit: resolved on another model, or for another
+    dtype than the cast's or the mixed-precision policy's ``param_dtype``. Raised before
+    anything is changed."""
 
 
 @dataclass(frozen=True)
@@ -25,7 +62,7 @@ class LayoutProblem:
     detail: str
 
 
-class KeepLayoutError(ValueError):
+class KeepLayoutError(Fp32KeepValueError):
     """The model's layout cannot keep its FP32 parameters under FSDP2.
 
     Raised by :func:`fp32keep.apply_fsdp2` after validating the whole layout and before any
@@ -51,7 +88,7 @@ class KeepLayoutError(ValueError):
         return tuple(problem.fqn for problem in self.problems)
 
 
-class StateDictError(ValueError):
+class StateDictError(Fp32KeepValueError):
     """A full state dict does not fit the model; raised on every rank before any tensor moves.
 
     Attributes:

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from fp32keep.errors import Fp32KeepRuntimeError
+
 __all__ = [
     "PRIVATE_READS",
     "VERIFIED_TORCH",
@@ -59,7 +61,7 @@ VERIFIED_TORCH: Mapping[str, str] = MappingProxyType(
 """The torch releases (``major.minor``) these calls were verified on, and how."""
 
 
-class FsdpHooksError(RuntimeError):
+class FsdpHooksError(Fp32KeepRuntimeError):
     """FSDP2's private state no longer has the shape :mod:`fp32keep.fsdp_hooks` calls."""
 
 

@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from fp32keep import fsdp_hooks
+from fp32keep.errors import Fp32KeepTypeError
 from fp32keep.observe import ParameterUse, UnitMembers
 from fp32keep.reads import called_methods
 
@@ -73,7 +74,9 @@ def register_gathered_methods(
         for fqn, name in wanted:
             module = model.get_submodule(fqn)
             if not isinstance(module, FSDPModule):
-                raise TypeError(f"{fqn or '<root>'} is not sharded: gather it around {name} after")
+                raise Fp32KeepTypeError(
+                    f"{fqn or '<root>'} is not sharded: gather it around {name} after"
+                )
             setattr(module, name, _gathered(module, name, depth))
 
 

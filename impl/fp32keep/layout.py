@@ -17,14 +17,15 @@ together under one mixed-precision policy. Three kinds exist:
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
 import torch
 from torch import nn
 
-from fp32keep.errors import KeepLayoutError, LayoutProblem
+from fp32keep.errors import Fp32KeepValueError, KeepLayoutError, LayoutProblem
+from fp32keep.frozen import FrozenMapping
 from fp32keep.gathered import methods_to_gather
 from fp32keep.kept_units import ReadFinder, float_param_names, kept_modules
 from fp32keep.layout_problems import (
@@ -41,13 +42,13 @@ from fp32keep.reads import DirectRead, find_direct_read
 from fp32keep.tensors import dtype_name, is_castable_float, iter_owned, join
 from fp32keep.tied_units import TieGroup, sharding_order, tie_groups
 from fp32keep.unit_reach import outside_uses
+from fp32keep.wrap_targets import WrapSpec as WrapSpec  # re-exported: its home before the split
+from fp32keep.wrap_targets import wrap_predicate
 
 UnitKind = Literal["kept", "standard", "root"]
 KeptGrouping: TypeAlias = bool | Literal["block", "model"]
 """How kept modules are grouped into units: ``False`` (one unit per kept module), ``True`` or
 ``"block"`` (one unit per standard unit's kept modules), ``"model"`` (one unit for all)."""
-WrapTarget: TypeAlias = type[nn.Module] | str
-WrapSpec: TypeAlias = Iterable[WrapTarget] | Callable[[nn.Module], bool]
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,9 @@ class Unit:
     depth: int
     stays_gathered: bool = False
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "module_fqns", tuple(self.module_fqns))  # read-only, hashable
+
     @property
     def label(self) -> str:
         """A readable name for messages."""
@@ -78,6 +82,10 @@ class Unit:
 @dataclass(frozen=True)
 class Layout:
     """The units of a model in sharding order (children before parents, root last).
+
+    Read-only through and through: its collections are tuples and
+    :class:`fp32keep.frozen.FrozenMapping` s (copies of what it was built from), so a layout
+    cannot be changed after :func:`plan_layout` checked it, and it is hashable.
 
     Attributes:
         units: the planned units.
@@ -90,9 +98,17 @@ class Layout:
     """
 
     units: tuple[Unit, ...]
-    owner: dict[str, str]
+    owner: Mapping[str, str]
     replicated: tuple[str, ...] = ()
-    forward_methods: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    forward_methods: Mapping[str, tuple[str, ...]] = field(default_factory=FrozenMapping)
+
+    def __post_init__(self) -> None:
+        freeze = object.__setattr__
+        freeze(self, "units", tuple(self.units))
+        freeze(self, "owner", FrozenMapping(self.owner))
+        freeze(self, "replicated", tuple(self.replicated))
+        methods = FrozenMapping((fqn, tuple(names)) for fqn, names in self.forward_methods.items())
+        freeze(self, "forward_methods", methods)
 
     def describe(self) -> str:
         """A readable list of units in sharding order."""
@@ -110,47 +126,6 @@ class Layout:
         return "\n".join(lines)
 
 
-def default_wrap_classes(model: nn.Module) -> frozenset[str]:
-    """Class names from every ``_no_split_modules`` declaration in the model."""
-    names: set[str] = set()
-    for module in model.modules():
-        declared = getattr(module, "_no_split_modules", None)
-        if declared:
-            names.update(str(name) for name in declared)
-    return frozenset(names)
-
-
-def _wrap_predicate(model: nn.Module, wrap: WrapSpec | None) -> Callable[[nn.Module], bool]:
-    if wrap is None:
-        classes = default_wrap_classes(model)
-        return lambda module: type(module).__name__ in classes
-    if isinstance(wrap, type):
-        wrap = [wrap]
-    if callable(wrap):
-        return wrap
-    targets = list(wrap)
-    types = tuple(t for t in targets if isinstance(t, type))
-    names = {t for t in targets if isinstance(t, str)}
-    bad = [t for t in targets if not isinstance(t, (type, str))]
-    if bad:
-        raise TypeError(
-            f"wrap must hold module classes or class names, got {bad!r}; pass a predicate "
-            "callable(module) -> bool for anything else"
-        )
-    present = {type(module).__name__ for module in model.modules()}
-    missing = sorted(name for name in names if name not in present)
-    if missing:
-        raise ValueError(
-            f"wrap names class(es) {missing} but {type(model).__name__} has no such module; "
-            f"module classes present include {sorted(present)[:12]}"
-        )
-
-    def predicate(module: nn.Module) -> bool:
-        return isinstance(module, types) or type(module).__name__ in names
-
-    return predicate
-
-
 def _depth(fqn: str) -> int:
     return fqn.count(".") + 1 if fqn else 0
 
@@ -163,7 +138,7 @@ def _kept_grouping(group_kept: KeptGrouping) -> Literal["module", "block", "mode
         return "block"
     if group_kept == "model":
         return "model"
-    raise ValueError(
+    raise Fp32KeepValueError(
         f"group_kept={group_kept!r} is not one of False (a unit per kept module), True or "
         "'block' (a unit per block's kept modules), 'model' (one unit for all kept modules)."
     )
@@ -273,7 +248,7 @@ def _draft(
     below = float_param_names(model)
     modules = dict(model.named_modules(remove_duplicate=False))
     first_names = _first_names(model)
-    is_target = _wrap_predicate(model, wrap)
+    is_target = wrap_predicate(model, wrap)
     find_read = observed.direct_read if observed is not None else find_direct_read
     selection = kept_modules(model, plan, below, is_target, find_read)
     kept = selection.top

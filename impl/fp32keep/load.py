@@ -31,7 +31,13 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fp32keep.devices import collective_device
-from fp32keep.errors import StateDictError
+from fp32keep.errors import (
+    Fp32KeepNotImplementedError,
+    Fp32KeepRuntimeError,
+    Fp32KeepTypeError,
+    Fp32KeepValueError,
+    StateDictError,
+)
 from fp32keep.load_meta import Fresh, allocate
 from fp32keep.load_move import Target, collect_targets, cut_evenly, move, scatters_directly
 from fp32keep.load_validate import (
@@ -79,7 +85,7 @@ def _local_report(
     problem = state_dict_problem(state_dict, rank)
     if problem is None and not any(isinstance(m, FSDPModule) for m in model.modules()):
         problem = (
-            ValueError,
+            Fp32KeepValueError,
             (
                 f"{type(model).__name__} is not sharded: call fp32keep.apply_fsdp2(model, ...) "
                 "before load_full_state_dict (for an unsharded model use model.load_state_dict)"
@@ -87,12 +93,12 @@ def _local_report(
         )
     if problem is None and not (isinstance(src_rank, int) and 0 <= src_rank < world):
         problem = (
-            ValueError,
+            Fp32KeepValueError,
             (f"src_rank={src_rank} is not a rank of this {world}-rank process group"),
         )
     if problem is None and init_buffers is not None and not callable(init_buffers):
         problem = (
-            TypeError,
+            Fp32KeepTypeError,
             (
                 "init_buffers must be a callable that takes the model, got "
                 f"{type(init_buffers).__name__}"
@@ -102,7 +108,7 @@ def _local_report(
         try:
             targets = collect_targets(model)
         except NotImplementedError as exc:
-            problem = NotImplementedError, str(exc)
+            problem = Fp32KeepNotImplementedError, str(exc)
     meta = bytes(int(t.local.is_meta) for t in targets)
     holds = state_dict is not None
     boxes = tuple(t.box for t in targets)
@@ -294,7 +300,7 @@ def load_full_state_dict(
         The missing and unexpected keys (empty after a strict load).
     """
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
+        raise Fp32KeepRuntimeError(
             "load_full_state_dict needs an initialised process group (launch with torchrun and "
             "call torch.distributed.init_process_group first)"
         )

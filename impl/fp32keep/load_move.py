@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from fp32keep.errors import Fp32KeepNotImplementedError
 from fp32keep.tensors import tensor_slots
 
 _ALIGN = 16  # every segment starts 16-byte aligned so a byte view can be viewed as any dtype
@@ -97,7 +98,7 @@ def local_box(name: str, tensor: DTensor) -> Box:
     coordinate = mesh.get_coordinate()
     supported = all(type(p) in (Shard, Replicate) for p in tensor.placements)
     if coordinate is None or not supported:
-        raise NotImplementedError(
+        raise Fp32KeepNotImplementedError(
             f"{name} is sharded as {tuple(tensor.placements)} over a mesh of shape "
             f"{tuple(mesh.shape)}; load_full_state_dict supports FSDP2's Shard and Replicate "
             "placements (FSDP, HSDP, sub-meshes, shard_placement_fn) on meshes that hold this "
@@ -128,7 +129,7 @@ def collect_targets(model: nn.Module) -> list[Target]:
             box = local_box(slot.name, tensor)
             local = tensor.to_local()
             if tuple(local.shape) != tuple(length for _, length in box):
-                raise NotImplementedError(
+                raise Fp32KeepNotImplementedError(
                     f"{slot.name}: its local shard has shape {tuple(local.shape)}, not the "
                     f"{tuple(length for _, length in box)} its placements "
                     f"{tuple(tensor.placements)} give; load_full_state_dict cannot place it. "

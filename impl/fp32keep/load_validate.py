@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fp32keep.errors import StateDictError
+from fp32keep.errors import Fp32KeepError, Fp32KeepTypeError, Fp32KeepValueError, StateDictError
 from fp32keep.load_move import Box, Target
 from fp32keep.tensors import dtype_name
 
@@ -39,7 +39,7 @@ class Report:
         boxes: per target, this rank's block of the full tensor (from its mesh coordinate).
     """
 
-    problem: tuple[type[Exception], str] | None
+    problem: tuple[type[Fp32KeepError], str] | None
     holds: bool
     arguments: tuple[object, ...]
     fingerprint: str
@@ -147,7 +147,7 @@ def agree(local: Report, src_rank: int, targets: Sequence[Target] = ()) -> list[
             if len(values) > 1:
                 where = ", ".join(f"{value} on ranks {ranks}" for value, ranks in values.items())
                 differing.append(f"{name}: {where}")
-        raise ValueError(
+        raise Fp32KeepValueError(
             "load_full_state_dict was called with different arguments on different ranks ("
             + "; ".join(differing)
             + "); every rank must pass the same ones"
@@ -155,7 +155,7 @@ def agree(local: Report, src_rank: int, targets: Sequence[Target] = ()) -> list[
     holders = [r for r, report in enumerate(reports) if report.holds]
     if holders != [src_rank]:
         where = f"ranks {holders}" if holders else "no rank"
-        raise ValueError(
+        raise Fp32KeepValueError(
             f"load_full_state_dict: the full state dict is held by {where}; it must be held by "
             f"src_rank={src_rank} alone (pass None on every other rank) [raised on rank {rank}]"
         )
@@ -163,7 +163,7 @@ def agree(local: Report, src_rank: int, targets: Sequence[Target] = ()) -> list[
     if differing_ranks:
         # every rank gets here (some rank differs from each), so the extra collective pairs up
         how = _model_difference(targets, reports)
-        raise ValueError(
+        raise Fp32KeepValueError(
             f"load_full_state_dict: the model on ranks {differing_ranks} differs from rank "
             f"{rank}'s (names, shapes or dtypes); every rank must build and shard the same "
             f"model{how}"
@@ -171,7 +171,7 @@ def agree(local: Report, src_rank: int, targets: Sequence[Target] = ()) -> list[
     return reports
 
 
-def state_dict_problem(state_dict: object, rank: int) -> tuple[type[Exception], str] | None:
+def state_dict_problem(state_dict: object, rank: int) -> tuple[type[Fp32KeepError], str] | None:
     """A ``state_dict`` argument that is neither ``None`` nor a mapping, as a local problem."""
     if state_dict is None or isinstance(state_dict, Mapping):
         return None
@@ -183,7 +183,7 @@ def state_dict_problem(state_dict: object, rank: int) -> tuple[type[Exception], 
         if isinstance(state_dict, str | bytes) or hasattr(state_dict, "__fspath__")
         else ""
     )
-    return TypeError, (
+    return Fp32KeepTypeError, (
         f"load_full_state_dict: state_dict on rank {rank} is a {type(state_dict).__name__}, "
         f"{shown}, not a mapping of names to tensors{hint}; pass the full state dict on the "
         "source rank and None on every other rank"

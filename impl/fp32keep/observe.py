@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fp32keep.errors import Fp32KeepTypeError, Fp32KeepValueError
 from fp32keep.reads import DirectRead
 
 #: The method name of a call through ``nn.Module.__call__``: FSDP2's forward hooks run there.
@@ -326,10 +327,12 @@ def observe_parameter_use(model: nn.Module) -> Iterator[ParameterUse]:
         ValueError: ``model`` is already sharded (its parameters are DTensors).
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"observe_parameter_use needs an nn.Module, got {type(model).__name__}")
+        raise Fp32KeepTypeError(
+            f"observe_parameter_use needs an nn.Module, got {type(model).__name__}"
+        )
     sharded = [name for name, param in model.named_parameters() if _is_dtensor(param)]
     if sharded:
-        raise ValueError(
+        raise Fp32KeepValueError(
             f"observe_parameter_use: {type(model).__name__} is already sharded ({sharded[:3]} are "
             "DTensors); observe the unsharded model before apply_fsdp2"
         )

@@ -7,7 +7,6 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
-from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
@@ -24,6 +23,7 @@ from fp32keep.compat import (
 )
 from fp32keep.constructed import Construction, constructed_fp32, constructed_matches
 from fp32keep.errors import KeepDeclarationError
+from fp32keep.frozen import FrozenMapping
 from fp32keep.reprs import dataclass_repr
 from fp32keep.tensors import (
     TensorSlot,
@@ -61,7 +61,9 @@ class KeepMatch:
 class KeepPlan:
     """Which floating tensors of a model stay in FP32 when it runs in ``dtype``.
 
-    Built by :func:`resolve_keep_plan`; immutable. Every alias of a tied tensor is listed.
+    Built by :func:`resolve_keep_plan`; immutable through and through (its collections are
+    tuples, frozensets and a :class:`fp32keep.frozen.FrozenMapping`, whatever they were built
+    from) and hashable: equal plans hash alike. Every alias of a tied tensor is listed.
 
     Attributes:
         dtype: the low-precision dtype the plan was resolved for.
@@ -97,6 +99,17 @@ class KeepPlan:
     declared_by: tuple[str, ...] = ("",)
     unobserved: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        # Immutable through and through, whatever the caller passed (a list, a set, a dict:
+        # ``dataclasses.replace(plan, matches={})``): copied, so nothing outside the plan can
+        # change it, and hashable, so equal plans hash alike.
+        freeze = object.__setattr__
+        for name in ("regular_entries", "strict_entries", "declared_by", "unobserved"):
+            freeze(self, name, tuple(getattr(self, name)))
+        for name in ("param_names", "buffer_names"):
+            freeze(self, name, frozenset(getattr(self, name)))
+        freeze(self, "matches", FrozenMapping(self.matches))
+
     def __repr__(self) -> str:
         # Sorted: the same plan must print the same on every rank (fp32keep.reprs).
         return dataclass_repr(self)
@@ -117,6 +130,12 @@ class KeepPlan:
         credited with a match is left out: it changes no dtype, only the explanation."""
         rows = sorted((n, m.list_kind) for n, m in self.matches.items())
         return hashlib.sha256(repr((str(self.dtype), rows)).encode()).hexdigest()
+
+    def applies_at(self, list_kind: ListKind) -> frozenset[torch.dtype]:
+        """The load dtypes at which the release this plan follows applies a keep list
+        (``"regular"``: ``_keep_in_fp32_modules``; ``"strict"``: the strict list)."""
+        semantics = semantics_for(self.transformers_version)
+        return semantics.regular_dtypes if list_kind == "regular" else semantics.strict_dtypes
 
     def __contains__(self, fqn: object) -> bool:
         return fqn in self.matches
@@ -395,7 +414,7 @@ def resolve_keep_plan(
         strict_entries=tuple(dict.fromkeys(strict)),
         param_names=param_names,
         buffer_names=buffer_names,
-        matches=MappingProxyType(matches),
+        matches=matches,
         model_name=type(model).__name__,
         regular_dropped=tuple(dict.fromkeys(dropped["regular"])),
         strict_dropped=tuple(dict.fromkeys(dropped["strict"])),
@@ -474,16 +493,3 @@ def _match(slots: list[TensorSlot], scopes: list[_Scope]) -> dict[str, KeepMatch
                 first_match.entry, first_match.list_kind, via_alias=first_name
             )
     return matches
-
-
-def check_plan_fits(model: nn.Module, plan: KeepPlan) -> None:
-    """Raise ``ValueError`` when ``plan`` names tensors ``model`` does not have."""
-    known = {name for slot in tensor_slots(model) for name in slot.names}
-    unknown = sorted(plan.names - known)
-    if unknown:
-        more = " …" if len(unknown) > 5 else ""
-        raise ValueError(
-            f"the keep plan names tensors {type(model).__name__} does not have: "
-            f"{unknown[:5]}{more}; resolve the plan on this model with "
-            "fp32keep.resolve_keep_plan(model, dtype)"
-        )

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fp32keep.errors import Fp32KeepTypeError, Fp32KeepValueError
+
 # Packed low-bit floats hold quantized weights: casting them would destroy the values, and
 # Transformers leaves float8_e4m3fn alone when it casts a checkpoint. They are never kept or cast.
 _PACKED_FLOAT_DTYPES = frozenset(
@@ -39,9 +41,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 def check_float_dtype(dtype: object, *, what: str) -> torch.dtype:
     """Return ``dtype`` if it is a castable floating torch dtype, else raise a clear error."""
     if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"{what} must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
+        raise Fp32KeepTypeError(
+            f"{what} must be a torch.dtype such as torch.bfloat16, got {dtype!r}"
+        )
     if not is_castable_float(dtype):
-        raise ValueError(
+        raise Fp32KeepValueError(
             f"{what} must be a floating dtype (torch.float16, torch.bfloat16 or torch.float32), "
             f"got {dtype_name(dtype)}"
         )

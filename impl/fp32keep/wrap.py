@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -14,11 +15,19 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 
 from fp32keep.constructed import plan_divergence
 from fp32keep.devices import collective_device
+from fp32keep.errors import (
+    Fp32KeepError,
+    Fp32KeepRuntimeError,
+    Fp32KeepTypeError,
+    Fp32KeepValueError,
+)
 from fp32keep.gathered import register_gathered_methods
-from fp32keep.layout import KeptGrouping, Layout, WrapSpec, plan_layout
+from fp32keep.layout import KeptGrouping, Layout, plan_layout
 from fp32keep.observe import ParameterUse
-from fp32keep.plan import KeepPlan, check_plan_fits, resolve_keep_plan
+from fp32keep.plan import KeepPlan, resolve_keep_plan
+from fp32keep.plan_use import check_plan_fits, check_plan_for_policy, storage_dtype
 from fp32keep.tensors import check_float_dtype, dtype_name, is_castable_float
+from fp32keep.wrap_targets import WrapSpec
 
 # fully_shard(ignored_params=...) arrived after torch 2.6; without it a frozen kept parameter
 # that no unit can isolate is refused like a trainable one.
@@ -38,7 +47,7 @@ def infer_low_precision_dtype(model: nn.Module, mp_policy: MixedPrecisionPolicy)
         if param.dtype in (torch.float16, torch.bfloat16)
     }
     if len(low) > 1:
-        raise ValueError(
+        raise Fp32KeepValueError(
             f"{type(model).__name__} stores parameters in both {dtype_name(torch.float16)} and "
             f"{dtype_name(torch.bfloat16)}; pass "
             "plan=fp32keep.resolve_keep_plan(model, dtype) with the dtype you train in"
@@ -71,21 +80,23 @@ def kept_unit_policy(mp_policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
 
 def _check_callable_state(model: nn.Module, mesh: DeviceMesh, mp_policy: object) -> None:
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
+        raise Fp32KeepRuntimeError(
             "apply_fsdp2 needs an initialised process group: call "
             "torch.distributed.init_process_group(...) (or launch with torchrun) and build the "
             "mesh with torch.distributed.device_mesh.init_device_mesh first"
         )
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {mesh!r}")
+        raise Fp32KeepTypeError(
+            f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {mesh!r}"
+        )
     if mesh.ndim not in (1, 2):
-        raise ValueError(
+        raise Fp32KeepValueError(
             f"apply_fsdp2 needs a 1-D mesh (FSDP) or a 2-D one (HSDP: replicate x shard), got a "
             f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; pass the data-parallel sub-mesh, "
             "e.g. mesh['dp']."
         )
     if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(
+        raise Fp32KeepTypeError(
             "mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got "
             f"{type(mp_policy).__name__}"
         )
@@ -97,7 +108,7 @@ def _check_callable_state(model: nn.Module, mesh: DeviceMesh, mp_policy: object)
         fqn or "<root>" for fqn, module in model.named_modules() if isinstance(module, FSDPModule)
     ]
     if sharded:
-        raise ValueError(
+        raise Fp32KeepValueError(
             f"{type(model).__name__} is already sharded: {sharded[:5]} "
             f"{'…' if len(sharded) > 5 else ''}is an FSDPModule. Call apply_fsdp2 once, on an "
             "unsharded model."
@@ -168,6 +179,12 @@ def apply_fsdp2(
 
     Raises:
         KeepLayoutError: the layout cannot keep the plan (nothing sharded).
+        KeepPlanError: ``plan`` names tensors ``model`` does not have, or ``mp_policy``'s
+            ``param_dtype`` is fp16 or bf16 and the plan was resolved for neither it nor the
+            low-precision dtype the model is stored in (a plan for the storage dtype is what
+            ``from_pretrained`` applies, whatever the compute dtype); a ``param_dtype`` of
+            ``None`` or FP32 accepts any plan (:func:`fp32keep.plan_use.check_plan_for_policy`).
+            Nothing sharded.
         ValueError: ``observed`` is of another model, or is still recording, or (given
             ``observed``) the ranks' keep plans differ (on any rank: raised on every rank of the
             mesh, before anything is sharded).
@@ -177,10 +194,17 @@ def apply_fsdp2(
         ``model``, now an ``FSDPModule``.
     """
     _check_callable_state(model, mesh, mp_policy)
+    resolved_here = plan is None
     if plan is None:
         plan = resolve_keep_plan(model, infer_low_precision_dtype(model, mp_policy))
     else:
         check_plan_fits(model, plan)
+    check_plan_for_policy(
+        plan,
+        mp_policy.param_dtype,
+        stored=storage_dtype(model, plan),
+        resolved_here=resolved_here,
+    )
     observed = agreed_observation(model, observed, mesh, plan)
     layout = plan_layout(
         model,
@@ -228,7 +252,7 @@ def agreed_observation(
 ) -> ParameterUse | None:
     """``observed`` merged over every rank of ``mesh``, or an error on every rank when any
     rank's is unusable or, given ``plan``, when the ranks' plans differ
-    (:func:`fp32keep.constructed.plan_divergence`); ``None`` (no collective) without one. Every
+    (:func:`fp32keep.plan_divergence`); ``None`` (no collective) without one. Every
     rank then plans the same layout.
 
     One small collective per mesh dimension (each rank's digest, what is wrong with its
@@ -240,13 +264,7 @@ def agreed_observation(
     if observed is None:
         return None
     mine = observed if isinstance(observed, ParameterUse) else None
-    problem: str | None
-    if mine is None:
-        problem = f"observed must be a fp32keep.ParameterUse, got {type(observed).__name__}"
-    elif not mine.complete:
-        problem = "observed is still recording: pass it after its `with` block ended"
-    else:
-        problem = mine.misfit(model)
+    problem = _observation_problem(model, observed)
     for dim in range(mesh.ndim):
         group = mesh.get_group(dim)
         ranks = dist.get_process_group_ranks(group)
@@ -254,22 +272,50 @@ def agreed_observation(
         digest = mine.digest() if mine is not None and problem is None else None
         keeps = (plan.digest(), plan.unobserved) if plan is not None else ("", ())
         dist.all_gather_object(accounts, (digest, problem, keeps), group=group)
-        refusals = [
-            f"rank {rank}: {bad}" for rank, (_, bad, _) in zip(ranks, accounts, strict=True) if bad
-        ]
+        refusals = [(rank, bad) for rank, (_, bad, _) in zip(ranks, accounts, strict=True) if bad]
         if refusals:
-            kind = TypeError if any("must be a" in text for text in refusals) else ValueError
-            raise kind("apply_fsdp2(observed=...): " + "; ".join(refusals))
+            raise observation_refusal(refusals)
         plans = [(rank, *keeps) for rank, (_, _, keeps) in zip(ranks, accounts, strict=True)]
         divergence = plan_divergence("apply_fsdp2", plans)
         if divergence is not None:  # raised on every rank, before anything is sharded
-            raise ValueError(divergence)
+            raise Fp32KeepValueError(divergence)
         assert mine is not None  # no rank refused, this one included
         if len({digest for digest, _, _ in accounts}) > 1:
             everyone: list[Any] = [None] * len(ranks)
             dist.all_gather_object(everyone, mine, group=group)
             mine = mine.merged(everyone)
     return mine
+
+
+#: What is wrong with one rank's observation: the error kind (data, sent between ranks, never
+#: read back out of the text) and the text.
+ObservationProblem = tuple[type[Fp32KeepError], str]
+
+
+def _observation_problem(model: nn.Module, observed: object) -> ObservationProblem | None:
+    if not isinstance(observed, ParameterUse):
+        kind: type[Fp32KeepError] = Fp32KeepTypeError
+        return kind, f"observed must be a fp32keep.ParameterUse, got {type(observed).__name__}"
+    if not observed.complete:
+        return (
+            Fp32KeepValueError,
+            "observed is still recording: pass it after its `with` block ended",
+        )
+    misfit = observed.misfit(model)
+    return None if misfit is None else (Fp32KeepValueError, misfit)
+
+
+def observation_refusal(refusals: Sequence[tuple[int, ObservationProblem]]) -> Fp32KeepError:
+    """The one error every rank raises for the ranks' unusable observations: a
+    :class:`fp32keep.errors.Fp32KeepTypeError` when any rank's is of the wrong type, else a
+    :class:`fp32keep.errors.Fp32KeepValueError`, naming each rank and what is wrong with its
+    observation. The kind comes from the problems' kinds, not from their wording."""
+    wrong_type = any(issubclass(kind, TypeError) for _, (kind, _) in refusals)
+    error = Fp32KeepTypeError if wrong_type else Fp32KeepValueError
+    return error(
+        "apply_fsdp2(observed=...): "
+        + "; ".join(f"rank {rank}: {text}" for rank, (_, text) in refusals)
+    )
 
 
 def _to_mesh_device(params: set[nn.Parameter], mesh: DeviceMesh) -> None:

@@ -52,7 +52,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from fp32keep.layout import WrapSpec
+from fp32keep import WrapSpec
 from pytest_fp32keep.contract.kept import (
     check_kept_count,
     kept_rows,

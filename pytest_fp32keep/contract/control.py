@@ -33,9 +33,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fp32keep
-from fp32keep import KeepPlan, ParameterUse
-from fp32keep.gathered import methods_to_gather, register_gathered_methods
-from fp32keep.observe import UnitMembers
+from fp32keep import (
+    KeepPlan,
+    ParameterUse,
+    UnitMembers,
+    methods_to_gather,
+    register_gathered_methods,
+)
 from pytest_fp32keep.contract.determinism import second_run_reason
 from pytest_fp32keep.contract.fsdp_state import fsdp_units
 from pytest_fp32keep.contract.parity_policy import ControlMeasure, control_errors, control_spread
@@ -205,7 +209,7 @@ def _shard_like(
     """Shard ``model`` into ``units`` (inner units first, so each call manages the same
     parameters as the implementation's did), then check that it did. Each unit is gathered
     around the methods a correct implementation gathers it around (``observed``, else the
-    source: :func:`fp32keep.gathered.methods_to_gather`)."""
+    source: :func:`fp32keep.methods_to_gather`)."""
     modules = dict(model.named_modules(remove_duplicate=False))
     parameters = dict(model.named_parameters(remove_duplicate=False))
     managed = set().union(*(unit.params | unit.slots for unit in units)) if units else set()

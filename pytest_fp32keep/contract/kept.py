@@ -7,8 +7,9 @@ declaration (T5 declares ``_keep_in_fp32_modules = ["wo"]``, which 4.56-4.57 and
 fp16 only, so at bf16 nothing is kept), and a green test then proves nothing about FP32. The
 report says so in a note naming the declared lists and the rule that dropped them, read from the
 keep plan (:attr:`fp32keep.KeepPlan.regular_dropped`, :attr:`~fp32keep.KeepPlan.strict_dropped`)
-and the release's own gates (:mod:`fp32keep.compat`), never re-derived here. ``expect_kept=N``
-turns it into a failure: a ``kept count`` row fails when fewer than N tensors are kept.
+and the release's own gates (:meth:`fp32keep.KeepPlan.applies_at`), never re-derived here.
+``expect_kept=N`` turns it into a failure: a ``kept count`` row fails when fewer than N tensors
+are kept.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import torch
 
 import fp32keep
 from fp32keep import KeepPlan
-from fp32keep.compat import REGULAR_ATTR, STRICT_ATTR, semantics_for
 from pytest_fp32keep.contract.probe import dtype_name
 from pytest_fp32keep.contract.report import Finding, KeptTensor
 
@@ -30,6 +30,8 @@ __all__ = [
     "nothing_kept_note",
     "validate_expect_kept",
 ]
+
+REGULAR_ATTR, STRICT_ATTR = "_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"
 
 #: How the note of a contract that keeps nothing begins (``fp32keep check`` picks it out).
 NOTHING_KEPT = "nothing is kept in FP32 at "
@@ -79,8 +81,7 @@ def nothing_kept_note(plan: KeepPlan) -> str | None:
     if not plan.is_empty:
         return None
     at = dtype_name(plan.dtype)
-    semantics = semantics_for(plan.transformers_version)
-    gates = {REGULAR_ATTR: semantics.regular_dtypes, STRICT_ATTR: semantics.strict_dtypes}
+    gates = {REGULAR_ATTR: plan.applies_at("regular"), STRICT_ATTR: plan.applies_at("strict")}
     lists = ((REGULAR_ATTR, plan.regular_dropped), (STRICT_ATTR, plan.strict_dropped))
     dropped = [
         f"{attribute} {list(entries)}, which Transformers {plan.transformers_version} applies "

@@ -28,8 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import fp32keep
-from fp32keep import KeepPlan
-from fp32keep.layout import WrapSpec
+from fp32keep import KeepPlan, WrapSpec
 from pytest_fp32keep.contract.checks.boundary import check_boundary, check_operators, kept_modules
 from pytest_fp32keep.contract.checks.parity import check_parity
 from pytest_fp32keep.contract.checks.round_trip import check_round_trip

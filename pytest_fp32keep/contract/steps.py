@@ -24,8 +24,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 import fp32keep
-from fp32keep import KeepPlan
-from fp32keep.layout import WrapSpec
+from fp32keep import KeepPlan, WrapSpec
 from pytest_fp32keep.contract.determinism import cublas_alert, deterministic
 from pytest_fp32keep.contract.probe import DtypeProbe
 

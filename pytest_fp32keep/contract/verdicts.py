@@ -30,8 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from fp32keep import KeepLayoutError
-from fp32keep.constructed import plan_divergence
+from fp32keep import KeepLayoutError, plan_divergence
 from pytest_fp32keep.contract.report import Finding
 
 T = TypeVar("T")
@@ -280,7 +279,7 @@ def plan_account(models: Any) -> tuple[str, tuple[str, ...]]:
 
 def plan_problem(accounts: Sequence[object], ranks: Sequence[int]) -> str | None:
     """The message naming the ranks whose keep plan differs from the first rank's (and what
-    each rank could not observe), or None (:func:`fp32keep.constructed.plan_divergence`)."""
+    each rank could not observe), or None (:func:`fp32keep.plan_divergence`)."""
     rows = []
     for rank, account in zip(ranks, accounts, strict=True):
         assert isinstance(account, tuple)

@@ -20,8 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from fp32keep import KeepPlan, apply_fsdp2
-from fp32keep.layout import WrapSpec
+from fp32keep import KeepPlan, WrapSpec, apply_fsdp2
 from pytest_fp32keep import ContractViolation, assert_fp32_keep_contract
 from pytest_fp32keep.contract.checks.boundary import check_operators, diff_operators
 from pytest_fp32keep.contract.probe import DtypeProbe, OpDtypes, dtype_name

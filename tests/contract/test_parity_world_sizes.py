@@ -29,8 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import fp32keep.wrap
-from fp32keep import KeepPlan, apply_fsdp2
-from fp32keep.layout import WrapSpec
+from fp32keep import KeepPlan, WrapSpec, apply_fsdp2
 from pytest_fp32keep import ContractViolation, assert_fp32_keep_contract
 from pytest_fp32keep.check.zoo import ZOO, available_entries
 from pytest_fp32keep.contract.control import unit_layout

@@ -12,8 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from fp32keep import KeepPlan, apply_fsdp2
-from fp32keep.layout import WrapSpec
+from fp32keep import KeepPlan, WrapSpec, apply_fsdp2
 
 SCALE = 1 + 2**-10
 """How much too large each kept gradient is made: far below one bf16 rounding (``2**-8``)."""

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import fp32keep
-from fp32keep import KeepDeclarationError
+from fp32keep import Fp32KeepRuntimeError, KeepDeclarationError
 from tests.core.toys import model_with_names, stack_class
 from tests.error_bounds import LIBRARY_BOUND_S, within
 from tests.untouched import assert_same_parameters, assert_unchanged, snapshot
@@ -28,10 +28,11 @@ def test_apply_without_a_process_group_is_refused() -> None:
     with (
         within(LIBRARY_BOUND_S),
         pytest.raises(
-            RuntimeError, match="apply_fsdp2 needs an initialised process group"
+            Fp32KeepRuntimeError, match="apply_fsdp2 needs an initialised process group"
         ) as error,
     ):
         fp32keep.apply_fsdp2(model, mesh=None, mp_policy=policy)  # type: ignore[arg-type]
+    assert isinstance(error.value, RuntimeError)  # what it was before the common base
     assert "torch.distributed.init_process_group(...) (or launch with torchrun)" in str(error.value)
     assert_unchanged(model, before)
 

@@ -352,7 +352,7 @@ def test_apply_twice_is_refused(mesh: DeviceMesh) -> None:
         ValueError,
         r"already sharded: \['<root>', 'layers\.0', .*Call apply_fsdp2 once, on an unsharded model",
     )
-    assert type(error) is ValueError
+    assert type(error) is fp32keep.Fp32KeepValueError  # a bad call, not a KeepLayoutError
     assert fsdp_modules(model) == units  # not sharded a second time
     assert_same_parameters(model, before)
 

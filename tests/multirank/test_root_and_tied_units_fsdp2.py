@@ -27,8 +27,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 import fp32keep
-from fp32keep import KeepPlan
-from fp32keep.layout import WrapSpec
+from fp32keep import KeepPlan, WrapSpec
 from fp32keep.wrap import kept_unit_policy
 from pytest_fp32keep import ContractViolation, assert_fp32_keep_contract
 from pytest_fp32keep.check.zoo import ZOO
