@@ -12,6 +12,8 @@
 - ``matrix-report``: renders ``docs/matrix.md`` from the recorded runs.
 - ``families``: ``fp32keep check --all-families`` on the ``[families]`` Transformers labels of
   ``ci/matrix.toml``, and the plan oracle over every family; writes ``docs/families.md``.
+- ``keep-policy``: the policy path (torch 2.15's ``param_dtype_override_fn``) on torch 2.15,
+  with the machine's pip constraint lifted for that session.
 - ``frameworks``: accelerate's and Transformers' own FSDP2 under the contract
   (``tests/frameworks``) at the ``[frameworks]`` versions of ``ci/matrix.toml``; writes
   ``docs/frameworks.md``.
@@ -439,6 +441,31 @@ def world_sizes(session: nox.Session) -> None:
         "no:cacheprovider",
         *session.posargs,
     )
+
+
+KEEP_POLICY_TORCH = TorchPin("2.15")
+"""The first torch with ``MixedPrecisionPolicy(param_dtype_override_fn=...)``."""
+KEEP_POLICY_TESTS = (
+    "tests/multirank/test_keep_policy_fsdp2.py",
+    "tests/multirank/test_policies_fsdp2.py",
+    "tests/contract/test_fsdp_state.py",
+)
+"""What ``keep-policy`` runs: the policy path, the policies frameworks shard with, the shim
+that reads 2.15's per-call policy."""
+
+
+@nox.session(name="keep-policy", python=PYTHON, default=False)
+def keep_policy(session: nox.Session) -> None:
+    """fp32keep's policy path (torch 2.15's ``param_dtype_override_fn``) under the contract.
+
+    Installs torch 2.15 with every pip constraint lifted for this session alone
+    (``PIP_CONSTRAINT``: a machine may cap torch below it, as the reference one does at 2.14.1),
+    then runs :data:`KEEP_POLICY_TESTS` with ``--slow``, which the default tier skips on an older
+    torch with a reason naming it. Arguments after ``--`` go to pytest.
+    """
+    session.env["PIP_CONSTRAINT"] = os.devnull
+    install_stack(session, KEEP_POLICY_TORCH, MATRIX.default_transformers)
+    session.run("pytest", *KEEP_POLICY_TESTS, "--slow", "-p", "no:cacheprovider", *session.posargs)
 
 
 @nox.session(python=PYTHON, default=False)

@@ -45,7 +45,7 @@ from ci.matrix import (  # noqa: E402
 )
 
 AUX_SESSIONS = frozenset(
-    {"lint", "bench", "matrix-report", "families", "frameworks", "world-sizes"}
+    {"lint", "bench", "matrix-report", "families", "frameworks", "world-sizes", "keep-policy"}
 )
 """The noxfile's sessions that do not come from the matrix."""
 

@@ -26,11 +26,12 @@ from fp32keep.errors import (
     StateDictError,
 )
 from fp32keep.gathered import methods_to_gather, register_gathered_methods
+from fp32keep.keep_policy import keep_policy, policy_blocker
 from fp32keep.layout import Layout, Unit, plan_layout
 from fp32keep.load import LoadResult, gather_full_state_dict, load_full_state_dict
 from fp32keep.observe import ParameterUse, UnitMembers, observe_parameter_use
 from fp32keep.plan import KeepMatch, KeepPlan, resolve_keep_plan
-from fp32keep.wrap import apply_fsdp2, infer_low_precision_dtype
+from fp32keep.wrap import apply_fsdp2, infer_low_precision_dtype, sharded_layout
 from fp32keep.wrap_targets import WrapSpec
 
 __all__ = [
@@ -56,13 +57,16 @@ __all__ = [
     "gather_full_state_dict",
     "infer_low_precision_dtype",
     "keep_aware_cast",
+    "keep_policy",
     "load_full_state_dict",
     "methods_to_gather",
     "observe_parameter_use",
     "plan_divergence",
     "plan_layout",
+    "policy_blocker",
     "register_gathered_methods",
     "resolve_keep_plan",
+    "sharded_layout",
     "upcast_to_fp32_master",
 ]
 __version__ = "0.1.0"

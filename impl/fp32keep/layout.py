@@ -95,12 +95,18 @@ class Layout:
             (``ignored_params``), so every rank holds them whole, in FP32, never cast.
         forward_methods: for each module of a unit, the methods other than ``forward`` FSDP2
             gathers the unit around (:mod:`fp32keep.gathered`): collectives, like forward.
+        keeps: how the kept parameters stay FP32: ``"units"``, in kept units of their own
+            sharded without the caller's ``param_dtype``; ``"policy"``, inside the caller's own
+            units, by the policy's ``param_dtype_override_fn`` (:mod:`fp32keep.keep_policy`).
+        why: why :func:`fp32keep.apply_fsdp2` chose ``keeps`` (empty where nobody chose).
     """
 
     units: tuple[Unit, ...]
     owner: Mapping[str, str]
     replicated: tuple[str, ...] = ()
     forward_methods: Mapping[str, tuple[str, ...]] = field(default_factory=FrozenMapping)
+    keeps: Literal["units", "policy"] = "units"
+    why: str = ""
 
     def __post_init__(self) -> None:
         freeze = object.__setattr__
@@ -123,6 +129,9 @@ class Layout:
             for unit in self.units
         ]
         lines += [f"{'replicated':<10} {name}" for name in self.replicated]
+        if self.why:
+            how = "in kept units" if self.keeps == "units" else "by the policy's override"
+            lines.insert(0, f"kept parameters stay FP32 {how}: {self.why}")
         return "\n".join(lines)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,8 +21,10 @@ from fp32keep.errors import (
     Fp32KeepRuntimeError,
     Fp32KeepTypeError,
     Fp32KeepValueError,
+    KeepLayoutError,
 )
 from fp32keep.gathered import register_gathered_methods
+from fp32keep.keep_policy import KeepBy, choose_keeping, keep_policy
 from fp32keep.layout import KeptGrouping, Layout, plan_layout
 from fp32keep.observe import ParameterUse
 from fp32keep.plan import KeepPlan, resolve_keep_plan
@@ -126,6 +129,7 @@ def apply_fsdp2(
     offload_policy: OffloadPolicy | None = None,
     group_kept: KeptGrouping = False,
     observed: ParameterUse | None = None,
+    keep_by: KeepBy = "auto",
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 so that the plan's parameters stay FP32, or refuse.
 
@@ -176,6 +180,17 @@ def apply_fsdp2(
             observations are merged (every use any rank saw) in one collective over the mesh,
             so every rank lays out the same units: pass one on every rank or on none (``None``:
             read the source; no collective).
+        keep_by: how the kept parameters stay FP32. ``"auto"`` (default): by the policy where it
+            can keep them, else in kept units. By the policy (torch 2.15's
+            ``param_dtype_override_fn``, :func:`fp32keep.keep_policy`): the caller's own units
+            (``wrap`` targets, then the root), each with the caller's policy plus an override
+            that all-gathers the plan's parameters in FP32: no unit or collective of
+            fp32keep's; it needs torch >= 2.15, every trainable parameter stored in FP32 (FP32
+            master weights) and a ``reduce_dtype`` of FP32 or ``None``, and ``"auto"`` takes it
+            only under a low-precision ``param_dtype`` without ``group_kept``. ``"units"``: kept
+            units as above. ``"policy"``: the policy or an error naming what stands in the way
+            (the torch version, the storage, the reduce dtype). :func:`sharded_layout` gives
+            the layout used, whose ``describe()`` says which and why.
 
     Raises:
         KeepLayoutError: the layout cannot keep the plan (nothing sharded).
@@ -185,6 +200,8 @@ def apply_fsdp2(
             ``from_pretrained`` applies, whatever the compute dtype); a ``param_dtype`` of
             ``None`` or FP32 accepts any plan (:func:`fp32keep.plan_use.check_plan_for_policy`).
             Nothing sharded.
+        Fp32KeepValueError: ``keep_by`` is not one of ``"auto"``, ``"units"``, ``"policy"``,
+            or is ``"policy"`` where the policy cannot keep the plan (nothing sharded).
         ValueError: ``observed`` is of another model, or is still recording, or (given
             ``observed``) the ranks' keep plans differ (on any rank: raised on every rank of the
             mesh, before anything is sharded).
@@ -205,17 +222,70 @@ def apply_fsdp2(
         stored=storage_dtype(model, plan),
         resolved_here=resolved_here,
     )
-    observed = agreed_observation(model, observed, mesh, plan)
-    layout = plan_layout(
-        model,
-        plan,
-        wrap=wrap,
-        group_kept=group_kept,
-        replicate_frozen=_SUPPORTS_IGNORED_PARAMS,
-        observed=observed,
+    keeps, why = choose_keeping(
+        model, plan, mp_policy, keep_by=keep_by, grouped=group_kept is not False
     )
-    _shard(model, layout, mesh, mp_policy, reshard_after_forward, offload_policy)
+    observed = agreed_observation(model, observed, mesh, plan)
+    layout = None
+    if keeps == "policy":
+        layout = _policy_layout(model, plan, wrap, observed, refuse=keep_by == "policy")
+        why = why if layout is not None else "the caller's own units are refused"
+    if layout is not None:
+        policy = keep_policy(mp_policy, plan, model)
+        layout = dataclasses.replace(layout, keeps="policy", why=why)
+    else:
+        policy = mp_policy
+        layout = plan_layout(
+            model,
+            plan,
+            wrap=wrap,
+            group_kept=group_kept,
+            replicate_frozen=_SUPPORTS_IGNORED_PARAMS,
+            observed=observed,
+        )
+        layout = dataclasses.replace(layout, why=why)
+    _shard(model, layout, mesh, policy, reshard_after_forward, offload_policy)
+    _SHARDED[model] = layout
     return model
+
+
+_SHARDED: weakref.WeakKeyDictionary[nn.Module, Layout] = weakref.WeakKeyDictionary()
+
+
+def sharded_layout(model: nn.Module) -> Layout | None:
+    """The layout :func:`apply_fsdp2` sharded ``model`` with (its ``describe()`` says how the
+    kept parameters stay FP32 and why that way), or ``None`` for a model it did not shard."""
+    return _SHARDED.get(model)
+
+
+def _policy_layout(
+    model: nn.Module,
+    plan: KeepPlan,
+    wrap: WrapSpec | None,
+    observed: ParameterUse | None,
+    *,
+    refuse: bool,
+) -> Layout | None:
+    """The caller's own units (``wrap`` targets, tied units, the root) with nothing kept apart,
+    for :func:`~fp32keep.keep_policy.keep_policy` to keep the plan in; where that layout is
+    refused, ``None`` (the kept units' layout is then tried, and refuses or keeps), or, with
+    ``refuse``, the refusal."""
+    nothing = dataclasses.replace(
+        plan,
+        regular_entries=(),
+        strict_entries=(),
+        param_names=frozenset(),
+        buffer_names=frozenset(),
+        matches={},
+    )
+    try:
+        return plan_layout(
+            model, nothing, wrap=wrap, replicate_frozen=_SUPPORTS_IGNORED_PARAMS, observed=observed
+        )
+    except KeepLayoutError:
+        if refuse:
+            raise
+        return None
 
 
 def _shard(

@@ -7,7 +7,7 @@ per kept module, and the model-wide kept unit (``group_kept="model"``) on the en
 
 Every contract here runs with every warning an error, as under ``-W error``: torch's warning
 about the contract's own FSDP2 units returning views must not crash it (the inner sessions of
-``tests/plugin/test_contract_warnings.py`` run the same with the real options).
+``tests/contract/test_contract_warnings.py`` run the same with the real options).
 """
 
 from __future__ import annotations
