@@ -38,6 +38,13 @@ def _yes_no(cell: str) -> bool:
     return cell == "yes"
 
 
+def _bare_string(semantics: KeepSemantics) -> str:
+    try:
+        return "ignored" if semantics.declared("wo") is None else "kept as entries"
+    except KeepDeclarationError:
+        return "refused"
+
+
 def _code(cell: str) -> str:
     match = re.fullmatch(r"`(.*)`", cell)
     assert match, f"expected one `code` span, got {cell!r}"
@@ -50,6 +57,7 @@ RULE_ROWS: dict[str, Callable[[str, KeepSemantics], tuple[object, object]]] = {
     "the strict list applies at": lambda c, s: (_dtypes(c), s.strict_dtypes),
     "the pattern built from the entry `a*b`": lambda c, s: (_code(c), s.entry_pattern("a*b")),
     "tuple and set declarations count": lambda c, s: (_yes_no(c), not s.lists_only),
+    "a bare string declared instead of a list": lambda c, s: (c, _bare_string(s)),
     "entries are checked when the model is built": lambda c, s: (
         _yes_no(c),
         s.validates_entries,
