@@ -60,9 +60,9 @@ nox.needs_version = ">=2024.4.15"
 # pip_install leaves compiling to Python, which writes a module's bytecode when a run first
 # imports it; an environment that says PYTHONDONTWRITEBYTECODE (some CI images and sandboxes do)
 # would then never cache anything, and every process of a session (each rank, each inner pytest
-# session, each xdist worker) would compile torch and Transformers from source again. Measured
-# in tests-latest's venv: `import torch` 4.1 s instead of 2.0 s, torch and two Transformers
-# models 12.4 s instead of 5.9 s, three tests/multirank files 53 s instead of 31 s.
+# session, each xdist worker) would compile torch and Transformers from source again, about
+# doubling the time of each import and of the multi-rank tests (bench/RESULTS.md, "Test-suite
+# runs", has the measurement).
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 MATRIX: Matrix = load_matrix()

@@ -48,9 +48,9 @@ LONG_POLES: Final = (
     "tests/probe/test_probe_fsdp.py",
     "tests/plugin/test_interrupt.py",
 )
-"""The default tier's longest modules, longest first (``pytest --durations=30`` on the 2-core
-machine, 2026-12-02: 111 s for the faults down to 16 s for the interrupts); the order only
-decides when each starts. tests/test_suite_order.py checks that each still exists."""
+"""The default tier's longest modules, longest first, as ``pytest --durations=30`` ranks them
+(the figures: bench/RESULTS.md, "Test-suite runs"); the order only decides when each starts.
+tests/test_suite_order.py checks that each still exists."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -139,7 +139,7 @@ def test_a_wrong_family_plan_fails_the_oracle(tmp_path: Path) -> None:
     T5 at fp16 (its regular ``["wo"]`` applies there in every release) exists in every
     supported version. The wrong dtype is one under which the installed release keeps nothing
     of T5, read from the zoo's written table (``ZOO["t5"].expectations``): bf16 in 4.x and 5.1+;
-    5.0.0 applies the regular list under bf16 too (shared/docs/transformers-keep-semantics.md,
+    5.0.0 applies the regular list under bf16 too (docs/transformers-keep-semantics.md,
     group B), so there it is FP32, which keeps nothing in every release.
     """
     fresh: Any = entries.build_family_model("t5")

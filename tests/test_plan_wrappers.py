@@ -97,7 +97,7 @@ class PeftModelLike(_Forwarding):
 def t5_keeps(dtype: torch.dtype) -> bool:
     """Whether the installed release keeps T5's ``wo`` under ``dtype``, from the zoo's written
     table (fp16 in every release; bf16 in 5.0.0 alone, whose regular list has no dtype gate:
-    shared/docs/transformers-keep-semantics.md), not from the resolver under test."""
+    docs/transformers-keep-semantics.md), not from the resolver under test."""
     return ZOO["t5"].expectation(dtype) is not None
 
 

@@ -204,7 +204,7 @@ def disagreements(entry: ZooEntry, dtype: torch.dtype) -> list[str]:
 @pytest.mark.parametrize("name", ALL_NAMES)
 def test_plan_agrees_with_the_written_expectation(name: str, dtype: torch.dtype) -> None:
     """The kept FQNs and the refusal, per release line and dtype, written independently of the
-    plan (from shared/docs/transformers-keep-semantics.md), are what the plan and layout give."""
+    plan (from docs/transformers-keep-semantics.md), are what the plan and layout give."""
     entry = available_or_skip(name)
     assert entry.covers(), (
         f"{name}: no expectation row covers transformers {transformers_version()}"
@@ -244,7 +244,7 @@ def test_a_wrong_expectation_is_caught() -> None:
     ]
     assert unrefused.refused_under() == frozenset()  # what fp32keep check would then expect
     # Rwkv's regular list applies at fp16 in every release, and at bf16 too in 5.0.0 alone (no
-    # dtype gate: shared/docs/transformers-keep-semantics.md, group B)
+    # dtype gate: docs/transformers-keep-semantics.md, group B)
     no_gate = Version(version).release == (5, 0, 0)
     assert rwkv.refused_under() == frozenset(
         {torch.float16, torch.bfloat16} if no_gate else {torch.float16}

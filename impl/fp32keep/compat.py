@@ -1,9 +1,10 @@
 """What differs between Transformers versions, in one place.
 
-Every fact here mirrors ``shared/docs/transformers-keep-semantics.md`` (read from the released
-wheels of 4.56.2 … 5.24.0; releases read since, 5.25.0 so far, are in
-``docs/transformers-versions.md``). A reader checking the resolver against a Transformers release
-only has to diff this file against that table:
+Every fact here is stated, in prose and in two tables, in ``docs/transformers-keep-semantics.md``
+(read from the released wheels of 4.56.2 … 5.24.0; releases read since are in
+``docs/transformers-versions.md``); ``tests/core/test_semantics_doc.py`` compares those tables
+with :func:`semantics_for`. A reader checking the resolver against a Transformers release only has
+to diff this file against that page:
 
 * group A (4.56.x – 4.57.x): the regular list applies under fp16, the strict list under fp16 or
   bf16; an entry matches whole dot-separated segments (``((^|\\.)ENTRY($|\\.))``, the entry not

@@ -43,22 +43,23 @@ PRIVATE_READS: Mapping[str, str] = MappingProxyType(
 
 VERIFIED_TORCH: Mapping[str, str] = MappingProxyType(
     {
-        "2.9": "2.9.1+cu128 (PyPI's CUDA build, run on CPU, 2026-12-03): "
-        "tests/multirank/test_observed_use_fsdp2.py 13 passed (nested and pure gathered methods, "
+        "2.9": "2.9.1+cu128 (PyPI's CUDA build, run on CPU): "
+        "tests/multirank/test_observed_use_fsdp2.py passes (nested and pure gathered methods, "
         "gathers counted through this module); _pre_forward(module, args, kwargs) and "
         "_post_forward(module, input, output) are the hooks register_fsdp_forward_method calls",
         "2.13": "2.13.0+cpu: tests/multirank/test_observed_use_fsdp2.py (nested and pure "
         "gathered methods, gathers counted through this module)",
         "2.14": "2.14.1: register_fsdp_forward_method in torch/distributed/fsdp/_fully_shard/"
         "_fully_shard.py calls the same two hooks of the same state; 2.14.1+cu130 (PyPI's CUDA "
-        "build, run on CPU, 2026-12-03): tests/multirank/test_observed_use_fsdp2.py 13 passed",
-        "2.15": "2.15.0+cu132 (PyPI's CUDA build, run on CPU, 2026-12-03): "
-        "tests/multirank/test_observed_use_fsdp2.py 13 passed (nested and pure gathered methods, "
+        "build, run on CPU): tests/multirank/test_observed_use_fsdp2.py passes",
+        "2.15": "2.15.0+cu132 (PyPI's CUDA build, run on CPU): "
+        "tests/multirank/test_observed_use_fsdp2.py passes (nested and pure gathered methods, "
         "gathers counted through this module); the hooks' signatures unchanged, "
         "register_fsdp_forward_method calls them the same way",
     }
 )
-"""The torch releases (``major.minor``) these calls were verified on, and how."""
+"""The torch releases (``major.minor``) these calls were verified on, and how (the runs, with
+their dates and counts: bench/RESULTS.md, "The FSDP2 shims on the PyTorch axis")."""
 
 
 class FsdpHooksError(Fp32KeepRuntimeError):

@@ -6,7 +6,7 @@ unsharded reference cast the correct keep-aware way. With the round trip on, the
 loads, before its first forward, a checkpoint of weights it was not built with
 (:mod:`.weights`), and the reference holds the same ones, so the forward proves the model
 computes with what it loaded. It runs forward and backward in both, in the same context, and
-checks every item of the contract in ``shared/docs/design.md``:
+checks every item of the contract in ``docs/contract.md``:
 
 * ``stored``: every kept tensor's local shard (or buffer) is FP32; every other tensor is stored
   exactly as the reference stores it, or, under ``master_dtype=torch.float32`` (FP32 master

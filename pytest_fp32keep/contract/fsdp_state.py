@@ -55,22 +55,21 @@ __all__ = [
 
 VERIFIED_TORCH: Mapping[str, str] = MappingProxyType(
     {
-        "2.9": "2.9.1+cu128 (PyPI's CUDA build, run on CPU, 2026-12-03): "
-        "tests/contract/ default tier 97 passed, 2 skipped (test_fsdp_state.py's two-group "
-        "cases: no ShardPlacementResult); one group per state, `_fsdp_param_group` a plain "
-        "attribute, the group's `mp_policy`",
+        "2.9": "2.9.1+cu128 (PyPI's CUDA build, run on CPU): tests/contract/ default tier "
+        "passes, test_fsdp_state.py's two-group cases skipped (no ShardPlacementResult); one "
+        "group per state, `_fsdp_param_group` a plain attribute, the group's `mp_policy`",
         "2.13": "2.13.0+cpu: tests/contract/test_fsdp_state.py, a unit with two param groups "
         "included",
         "2.14": "2.14.1: tests/contract/test_fsdp_state.py in a side venv; 2.14.1+cu130 (PyPI's "
-        "CUDA build, run on CPU, 2026-12-03): tests/contract/ default tier 99 passed, "
-        "test_fsdp_state.py's two-group units included",
-        "2.15": "2.15.0+cu132 (PyPI's CUDA build, run on CPU, 2026-12-03): "
-        "tests/contract/ default tier 99 passed, test_fsdp_state.py's two-group units "
-        "included; the call's policy read from `FSDPState._mp_policy` (2.15 has no "
-        "`FSDPParamGroup.mp_policy`)",
+        "CUDA build, run on CPU): tests/contract/ default tier passes, test_fsdp_state.py's "
+        "two-group units included",
+        "2.15": "2.15.0+cu132 (PyPI's CUDA build, run on CPU): tests/contract/ default tier "
+        "passes, test_fsdp_state.py's two-group units included; the call's policy read from "
+        "`FSDPState._mp_policy` (2.15 has no `FSDPParamGroup.mp_policy`)",
     }
 )
-"""The torch releases (``major.minor``) the reads below were verified on, and how."""
+"""The torch releases (``major.minor``) the reads below were verified on, and how (the runs, with
+their dates and counts: bench/RESULTS.md, "The FSDP2 shims on the PyTorch axis")."""
 
 PRIVATE_READS: tuple[str, ...] = (
     "fully_shard.state(module)",  # torch.distributed._composable.contract's per-module state

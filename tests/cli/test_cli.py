@@ -213,7 +213,7 @@ def test_list_names_the_zoo(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "t5" in out
     # the zoo's written expectation: Rwkv's regular list applies at fp16 in every release, at
-    # bf16 too in 5.0.0 alone (no dtype gate: shared/docs/transformers-keep-semantics.md)
+    # bf16 too in 5.0.0 alone (no dtype gate: docs/transformers-keep-semantics.md)
     no_gate = Version(transformers_version()).release == (5, 0, 0)
     refused = "bf16, fp16" if no_gate else "fp16"
     assert f"rwkv  (expects KeepLayoutError at {refused})\n" in out

@@ -2,7 +2,7 @@
 
 The toy declares ``_keep_in_fp32_modules = ["wo"]`` (two ``wo`` weights). Transformers applies
 the regular list under fp16 only, except 5.0.0, which has no dtype gate
-(``shared/docs/transformers-keep-semantics.md``): at bf16 the contract keeps nothing and passes
+(``docs/transformers-keep-semantics.md``): at bf16 the contract keeps nothing and passes
 every row vacuously. The expectation per release line is written here, never read from the plan.
 """
 

@@ -1,7 +1,8 @@
 """The keep plan: dtype gates, match rules, validation and declarations, per Transformers group.
 
-Each row of the edge-case table in shared/docs/transformers-keep-semantics.md is a test here,
-resolved as each behaviour group would (``transformers_version=``); the oracle test
+The rules and edge cases of docs/transformers-keep-semantics.md (whose two tables
+tests/core/test_semantics_doc.py checks cell by cell) are tested here case by case, resolved as
+each behaviour group would (``transformers_version=``); the oracle test
 (tests/test_plan_oracle.py) checks the installed version against ``from_pretrained`` itself.
 """
 

@@ -3,7 +3,7 @@
 What to expect is written down independently of the plan under test: per Transformers release
 line and dtype, the FQN patterns of the tensors Transformers keeps in FP32 and whether
 ``fp32keep.apply_fsdp2`` must refuse the layout (:class:`KeepExpectation`), from the facts in
-``shared/docs/transformers-keep-semantics.md``, not from :func:`fp32keep.resolve_keep_plan`.
+``docs/transformers-keep-semantics.md``, not from :func:`fp32keep.resolve_keep_plan`.
 """
 
 from __future__ import annotations

@@ -225,7 +225,7 @@ def _build_llama() -> nn.Module:
 _FP16 = (torch.float16,)
 _FP16_BF16 = (torch.float16, torch.bfloat16)
 
-# --- what each release line keeps: written from shared/docs/transformers-keep-semantics.md ----
+# --- what each release line keeps: written from docs/transformers-keep-semantics.md ----
 # Group A (4.56-4.57): regular list under fp16 only, strict under fp16 and bf16, entries match
 # whole dot-segments. Group B (5.0.0): both lists under any dtype (no gate), glob substrings; no
 # 5.0.0 wheel is checked here, so its rows name no tensors (kept=None), only the refusal. Group C
