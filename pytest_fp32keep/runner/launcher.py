@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import re
 import selectors
@@ -23,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Final
 
-from pytest_fp32keep.runner import protocol
+from pytest_fp32keep.runner import oom, protocol
 from pytest_fp32keep.runner.processes import TorchrunProcess
 from pytest_fp32keep.runner.waits import flight_recorder_environment
 
@@ -257,6 +258,13 @@ class RankGroup:
         # Between tests a rank sends nothing: a readable channel means it closed (end of
         # stream, an error) or misbehaved. One poll of the kept selector sees every rank.
         return not self.selector().select(0)
+
+    @functools.cached_property
+    def oom_counters(self) -> dict[int, Path]:
+        """Each rank's memory cgroup ``oom_kill`` counter file (:mod:`.oom`), found once: a
+        dead rank's cgroup can no longer be read."""
+        found = {rank: oom.counter_file(handle.pid) for rank, handle in self.ranks.items()}
+        return {rank: path for rank, path in found.items() if path is not None}
 
     def send_all(self, message: protocol.Message) -> list[int]:
         """Send ``message`` to every rank; return the ranks that could not be reached."""
