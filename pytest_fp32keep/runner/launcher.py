@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Final
 
-from pytest_fp32keep.runner import oom, protocol
+from pytest_fp32keep.runner import disk, oom, protocol
 from pytest_fp32keep.runner.processes import TorchrunProcess
 from pytest_fp32keep.runner.waits import flight_recorder_environment
 
@@ -232,6 +232,7 @@ class RankGroup:
     def _launch_failure(self, what: str, stacks: dict[int, str] | None = None) -> str:
         lines = [
             f"fsdp2: could not start {self.spec.nproc} ranks ({self.spec.backend}): {what}.",
+            *filter(None, [disk.full_note(self.spec.run_dir)]),
             "Command: " + " ".join(self.process.argv),
             f"Logs: {self.spec.run_dir}",
             "--- torchrun output (end) ---",
@@ -303,7 +304,10 @@ class RankGroup:
             path = protocol.stack_file(self.spec.run_dir, rank)
             with contextlib.suppress(OSError), open(path, encoding="utf-8", errors="replace") as f:
                 f.seek(offset)
-                stacks[rank] = f.read().strip() or "(the rank wrote no stack)"
+                stacks[rank] = (
+                    f.read().strip()
+                    or " ".join(["(the rank wrote no stack)", disk.full_note(path.parent)]).strip()
+                )
         return stacks
 
     def wait_launcher_exit(self, timeout: float) -> bool:
