@@ -8,8 +8,6 @@ import stat
 import tempfile
 from pathlib import Path
 
-import pytest
-
 from tests.plugin._inner import InnerProject, leftover_processes, new_tag
 
 TESTS = """
