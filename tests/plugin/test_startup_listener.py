@@ -106,4 +106,4 @@ def test_malformed_frames_are_refused_and_the_ranks_still_start(tmp_path: Path) 
             group.kill()
     assert "error" not in outcome, f"the start failed: {outcome['error']!r}"
     assert isinstance(group, RankGroup) and sorted(group.ranks) == [0, 1]
-    assert refused == {name: True for name in MALFORMED}, refused
+    assert refused == dict.fromkeys(MALFORMED, True), refused
