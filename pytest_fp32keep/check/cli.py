@@ -450,8 +450,24 @@ def _list_families(args: argparse.Namespace) -> int:
     return 0
 
 
+#: The exit status of a command ended by Ctrl-C (128 + SIGINT), as shells report it.
+EXIT_INTERRUPTED = 130
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``fp32keep`` console script."""
+    """Entry point of the ``fp32keep`` console script.
+
+    Ctrl-C ends it with one line and exit status 130, no traceback: the ranks are already
+    killed on the way out (:func:`_launch` kills them whatever ends the wait).
+    """
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("\nfp32keep check: interrupted (Ctrl-C)", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.list and _families_asked(args):
         return _list_families(args)

@@ -43,6 +43,7 @@ from pytest_fp32keep.runner.devices import count_cuda_devices
 from pytest_fp32keep.runner.flight import Flight
 from pytest_fp32keep.runner.launcher import LaunchError, LaunchSpec, RankGroup, shutdown_all
 from pytest_fp32keep.runner.rank_warnings import relay_warnings
+from pytest_fp32keep.runner.run_root import RunRoot
 
 #: Ranks import torch and collect their files before the first test; never allow less.
 MIN_READY_TIMEOUT_S: Final = 120.0
@@ -94,7 +95,7 @@ class Fsdp2Controller:
         self._launch_failures: dict[GroupKey, tuple[int, str]] = {}
         self._cuda_devices: int | None = None
         self._launches = 0
-        self._run_root: Path | None = None
+        self._run_root = RunRoot(config)
         atexit.register(self.kill_all)
 
     # --- hooks, in lifecycle order ---------------------------------------------------------
@@ -160,6 +161,7 @@ class Fsdp2Controller:
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         """Whatever happened before, no process of ours outlives the session."""
         self.kill_all()
+        self._run_root.remove()  # only a private folder made without a basetemp
         atexit.unregister(self.kill_all)
 
     # --- shutdown --------------------------------------------------------------------------
@@ -449,14 +451,7 @@ class Fsdp2Controller:
 
     def _run_root_dir(self) -> Path:
         """Logs and stack dumps live in the session's basetemp, beside ``tmp_path`` dirs."""
-        if self._run_root is None:
-            factory = getattr(self._config, "_tmp_path_factory", None)
-            base = (
-                Path(factory.getbasetemp()) if factory is not None else Path(tempfile.gettempdir())
-            )
-            self._run_root = base / "fsdp2"
-            self._run_root.mkdir(parents=True, exist_ok=True)
-        return self._run_root
+        return self._run_root.path()
 
     # --- dispatch --------------------------------------------------------------------------
 

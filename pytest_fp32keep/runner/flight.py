@@ -4,7 +4,8 @@ The controller sends the test to every rank (:meth:`Flight.start`), then :meth:`
 waits until each rank answered or is lost: a timeout (``--fsdp-timeout``), a rank that left
 early while the others are stuck in a collective it never joins
 (:mod:`pytest_fp32keep.runner.stuck` judges, from what the ranks say they are blocked in), a
-rank that died, or torchrun gone.
+rank that died, a rank stopped (SIGSTOP, a debugger: :mod:`pytest_fp32keep.runner.stopped`), or
+torchrun gone.
 :meth:`Flight.collect_faults` then turns what is known into one
 :class:`~pytest_fp32keep.runner.reports.RankFault` per rank that did not finish.
 """
@@ -15,13 +16,16 @@ import contextlib
 import enum
 import math
 import selectors
+import signal
 import time
+from pathlib import Path
 from typing import Any, Final
 
 import pytest
 
-from pytest_fp32keep.runner import protocol, reports
+from pytest_fp32keep.runner import oom, protocol, reports
 from pytest_fp32keep.runner.launcher import RankExit, RankGroup
+from pytest_fp32keep.runner.stopped import STOPPED_GRACE_S, StoppedWatch
 from pytest_fp32keep.runner.stuck import (
     FAILURE_GRACE_S,
     PROGRESS_SAMPLE_S,
@@ -42,6 +46,7 @@ class _Stop(enum.Enum):
     TIMEOUT = "timeout"
     AFTER_EARLY_EXIT = "after a rank left early"
     AFTER_DEATH = "after death"
+    STOPPED = "a rank was stopped"
     INTERRUPTED = "interrupted"
 
 
@@ -76,6 +81,8 @@ class Flight:
         self.blocked: dict[int, Blocked] = {}  # what each running rank said it is blocked in
         self.stuck: dict[int, StuckRank] = {}  # the verdict, for ranks that could report
         self.busy_for = 0.0  # ranks judged by CPU time: how long they computed after one left
+        self.stopped: dict[int, str] = {}  # ranks found stopped (SIGSTOP, ...): how
+        self.oom_before: dict[Path, int] = {}  # the ranks' cgroup oom_kill counts at the start
 
     @property
     def broken(self) -> bool:
@@ -93,6 +100,8 @@ class Flight:
     def start(self, next_nodeid: str | None, seed: int, timeout: float) -> None:
         """Send the test to every rank; its ``timeout`` counts from now."""
         self.timeout = timeout
+        # Read before the test runs: a SIGKILL with a rise since is the OOM killer's.
+        self.oom_before = oom.read_counts(set(self.group.oom_counters.values()))
         selector = self.group.selector()
         for rank in self.group.send_all(protocol.run(self.nodeid, next_nodeid, seed)):
             self.ended_at[rank] = time.time()
@@ -108,7 +117,9 @@ class Flight:
         start = self.started
         failure_seen: float | None = None
         death_seen: float | None = start if self.ended_at else None
-        progress = CpuProgress({rank: handle.pid for rank, handle in self.group.ranks.items()})
+        pids = {rank: handle.pid for rank, handle in self.group.ranks.items()}
+        progress = CpuProgress(pids)
+        stopped = StoppedWatch(pids, start)
         launcher_checked = -math.inf
         try:
             while self._waiting():
@@ -122,6 +133,11 @@ class Flight:
                 if death_seen is not None and now >= death_seen + DEATH_GRACE_S:
                     self.stop = _Stop.AFTER_DEATH
                     break
+                if now >= stopped.next_sample:
+                    self.stopped = stopped.stopped(self._waiting(), now)
+                    if self.stopped:
+                        self.stop = _Stop.STOPPED
+                        break
                 if now >= launcher_checked + POLL_S:  # a wait syscall: not at every message
                     launcher_checked = now
                     if not self.group.launcher_running():
@@ -254,7 +270,9 @@ class Flight:
             # Only deaths: torchrun stops the other ranks and prints who failed how.
             group.wait_launcher_exit(DEATH_GRACE_S)
         stuck = self._waiting()
-        stacks = group.dump_stacks(stuck) if stuck and group.launcher_running() else {}
+        # A stopped rank cannot write its stack: asking it would only wait out the dump's grace.
+        dump = [rank for rank in stuck if rank not in self.stopped]
+        stacks = group.dump_stacks(dump) if dump and group.launcher_running() else {}
         group.kill()
         exits = group.rank_exits()
         for rank, ended in self.ended_at.items():
@@ -268,6 +286,7 @@ class Flight:
         self, rank: int, ended: float, exit_info: RankExit | None
     ) -> reports.RankFault:
         """Why ``rank``'s connection ended before it finished, as torchrun tells it."""
+        summary = "a rank died"
         if exit_info is None:
             detail = (
                 "ended without a result (torchrun reported no failure for it: "
@@ -280,10 +299,18 @@ class Flight:
         else:
             detail = f"{exit_info.describe()} while running the test"
             consequence = False
+            killer = (
+                oom.oom_killed(self.group.oom_counters.get(rank), self.oom_before)
+                if exit_info.exitcode == -signal.SIGKILL
+                else None
+            )
+            if killer is not None:
+                detail += f", {killer}"
+                summary = "a rank was killed by the kernel's out-of-memory killer"
         return reports.RankFault(
             "died",
             detail,
-            summary="a rank died",
+            summary=summary,
             at=ended,
             consequence=consequence,
             log_tail="" if consequence else self.group.rank_log_tail(rank, self.nodeid),
@@ -304,6 +331,8 @@ class Flight:
             kind = "stuck"
             summary = f"stuck after {left}"
             detail = self._stuck_detail(rank, left)
+        elif self.stop == _Stop.STOPPED:
+            return self._stopped_fault(rank, stack, now)
         elif self.stop == _Stop.AFTER_DEATH:
             kind = "stuck"
             summary = "stuck after another rank died"
@@ -314,6 +343,28 @@ class Flight:
             detail = f"was killed because the test was interrupted: {self.stop_detail}"
         return reports.RankFault(
             kind, detail, summary=summary, at=now, consequence=True, stack=stack
+        )
+
+    def _stopped_fault(self, rank: int, stack: str, now: float) -> reports.RankFault:
+        """A rank found stopped is the cause; the ranks killed with it are its consequence."""
+        how = self.stopped.get(rank)
+        if how is not None:
+            detail = (
+                f"was {how} for {STOPPED_GRACE_S:g} s while running the test; killed "
+                "(a stopped rank never finishes, and its peers wait for it in their next "
+                "collective; the next test gets fresh ranks)"
+            )
+            return reports.RankFault(
+                "stopped", detail, summary=f"a rank was {how}", at=now - STOPPED_GRACE_S
+            )
+        gone = reports.ranks_text(self.stopped)
+        return reports.RankFault(
+            "stuck",
+            f"was killed with {gone}, which was stopped (it could not finish without it)",
+            summary=f"stuck while {gone} was stopped",
+            at=now,
+            consequence=True,
+            stack=stack,
         )
 
     def _stuck_detail(self, rank: int, left: str) -> str:

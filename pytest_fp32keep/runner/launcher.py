@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import re
 import selectors
@@ -23,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Final
 
-from pytest_fp32keep.runner import protocol
+from pytest_fp32keep.runner import disk, oom, protocol
 from pytest_fp32keep.runner.processes import TorchrunProcess
 from pytest_fp32keep.runner.waits import flight_recorder_environment
 
@@ -198,39 +199,53 @@ class RankGroup:
                     channel = key.fileobj  # type: ignore[assignment]
                     try:
                         messages = channel.read_available()
+                        for message in messages:
+                            self._on_startup_message(channel, message, ready)
                     except (protocol.ConnectionClosed, OSError):
                         selector.unregister(channel)
                         channel.close()
                         continue  # torchrun will notice the dead rank and exit
-                    for message in messages:
-                        self._on_startup_message(channel, message, ready, selector)
+                    except (protocol.ProtocolError, ValueError, TypeError, KeyError):
+                        # Not our protocol (malformed frames, not JSON, fields missing or of
+                        # the wrong type; or a stranger on the port): refuse the connection.
+                        selector.unregister(channel)
+                        channel.close()
+                        self._forget(channel)
         finally:
             selector.close()
 
     def _on_startup_message(
-        self,
-        channel: protocol.Channel,
-        message: protocol.Message,
-        ready: set[int],
-        selector: selectors.BaseSelector,
+        self, channel: protocol.Channel, message: protocol.Message, ready: set[int]
     ) -> None:
-        if message["type"] == protocol.HELLO:
+        """Take in one start-up message; raise ``ProtocolError`` (or the ``ValueError``,
+        ``TypeError``, ``KeyError`` of a bad field) for anything a rank of ours never sends."""
+        handle = next((h for h in self.ranks.values() if h.channel is channel), None)
+        if message["type"] == protocol.HELLO and handle is None:
             if message.get("token") != self.process.token:
                 # Not one of ours: some other local process found the port.
-                selector.unregister(channel)
-                channel.close()
-                return
+                raise protocol.ProtocolError("a hello without this launch's token")
             rank = int(message["rank"])
+            if not 0 <= rank < self.spec.nproc or rank in self.ranks:
+                raise protocol.ProtocolError(f"a hello from rank {rank!r}")
             self.ranks[rank] = RankHandle(rank, int(message["pid"]), channel)
-        elif message["type"] == protocol.READY:
-            handle = next(h for h in self.ranks.values() if h.channel is channel)
+        elif message["type"] == protocol.READY and handle is not None:
+            errors = [str(error) for error in message.get("collection_errors", [])]
             handle.observes = bool(message.get("observes"))
             ready.add(handle.rank)
-            self.collection_errors += list(message.get("collection_errors", []))
+            self.collection_errors += errors
+        else:
+            raise protocol.ProtocolError(f"{message['type']!r:.50} before this channel's hello")
+
+    def _forget(self, channel: protocol.Channel) -> None:
+        """Drop a refused channel from the ranks, if a hello had registered it."""
+        for rank, handle in list(self.ranks.items()):
+            if handle.channel is channel:
+                del self.ranks[rank]
 
     def _launch_failure(self, what: str, stacks: dict[int, str] | None = None) -> str:
         lines = [
             f"fsdp2: could not start {self.spec.nproc} ranks ({self.spec.backend}): {what}.",
+            *filter(None, [disk.full_note(self.spec.run_dir)]),
             "Command: " + " ".join(self.process.argv),
             f"Logs: {self.spec.run_dir}",
             "--- torchrun output (end) ---",
@@ -257,6 +272,13 @@ class RankGroup:
         # Between tests a rank sends nothing: a readable channel means it closed (end of
         # stream, an error) or misbehaved. One poll of the kept selector sees every rank.
         return not self.selector().select(0)
+
+    @functools.cached_property
+    def oom_counters(self) -> dict[int, Path]:
+        """Each rank's memory cgroup ``oom_kill`` counter file (:mod:`.oom`), found once: a
+        dead rank's cgroup can no longer be read."""
+        found = {rank: oom.counter_file(handle.pid) for rank, handle in self.ranks.items()}
+        return {rank: path for rank, path in found.items() if path is not None}
 
     def send_all(self, message: protocol.Message) -> list[int]:
         """Send ``message`` to every rank; return the ranks that could not be reached."""
@@ -295,7 +317,10 @@ class RankGroup:
             path = protocol.stack_file(self.spec.run_dir, rank)
             with contextlib.suppress(OSError), open(path, encoding="utf-8", errors="replace") as f:
                 f.seek(offset)
-                stacks[rank] = f.read().strip() or "(the rank wrote no stack)"
+                stacks[rank] = (
+                    f.read().strip()
+                    or " ".join(["(the rank wrote no stack)", disk.full_note(path.parent)]).strip()
+                )
         return stacks
 
     def wait_launcher_exit(self, timeout: float) -> bool:

@@ -211,17 +211,32 @@ class TorchrunProcess:
 _HAS_PROC: Final = Path("/proc/self/stat").exists()
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User plus system CPU time of ``pid`` (all its threads), or ``None`` where unknown."""
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name, or ``None`` where unknown."""
     if not _HAS_PROC:
         return None
     try:
         with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
-            fields = f.read().rsplit(")", 1)[-1].split()
+            # The command name may hold spaces and parentheses: split after the last ")".
+            return f.read().rsplit(")", 1)[-1].split()
     except OSError:
+        return None
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU time of ``pid`` (all its threads), or ``None`` where unknown."""
+    fields = _stat_fields(pid)
+    if fields is None:
         return None
     # After the command: state is field 3, utime and stime are fields 14 and 15 (in ticks).
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of ``pid`` (``R``, ``S``, ``T`` stopped by a signal, ``t``
+    stopped by a tracer, ``Z`` ...), or ``None`` where unknown (gone, no ``/proc``)."""
+    fields = _stat_fields(pid)
+    return fields[0] if fields else None
 
 
 _CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100

@@ -16,6 +16,8 @@ from typing import Final
 
 import pytest
 
+from pytest_fp32keep.runner import disk
+
 #: Longest captured section or traceback text a report carries (characters).
 MAX_CHARS: Final = 1_000_000
 #: How much of a spilled text stays in the report, at each end.
@@ -44,11 +46,14 @@ def _stem(report: pytest.TestReport) -> str:
 
 
 def _spilled(text: str, path: Path) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8", errors="replace")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8", errors="replace")
+        where = f"the whole text is in {path}"
+    except OSError as exc:
+        # The report must still travel (a lost report fails a test that passed): keep the ends.
+        why = disk.full_note(path.parent) or f"{type(exc).__name__}: {exc}"
+        where = f"the whole text could not be written to {path}: {why}"
     cut = len(text) - 2 * KEPT_CHARS
-    return (
-        f"{text[:KEPT_CHARS]}\n"
-        f"... [{cut} characters cut here; the whole text is in {path}] ...\n"
-        f"{text[-KEPT_CHARS:]}"
-    )
+    middle = f"... [{cut} characters cut here; {where}] ..."
+    return f"{text[:KEPT_CHARS]}\n{middle}\n{text[-KEPT_CHARS:]}"
