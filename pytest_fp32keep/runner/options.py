@@ -25,6 +25,8 @@ DEFAULT_NPROC: Final = 2
 DEFAULT_BACKEND: Final = "auto"
 DEFAULT_TIMEOUT_S: Final = 300.0
 BACKENDS: Final = ("auto", "gloo", "nccl")
+DEFAULT_LAUNCHER: Final = "auto"
+LAUNCHERS: Final = ("auto", "local", "external")
 
 HELP_NPROC: Final = (
     "number of ranks (processes started by torchrun) that run each test marked "
@@ -41,6 +43,13 @@ HELP_TIMEOUT: Final = (
     "put in the report, the ranks are killed and the next test gets fresh ones (default: "
     f"{DEFAULT_TIMEOUT_S:g}; ini key: fsdp_timeout)"
 )
+HELP_LAUNCHER: Final = (
+    "who starts the ranks of marked tests: 'local' (the plugin starts --fsdp-nproc ranks of "
+    "its own on this machine), 'external' (pytest itself runs in every process of a world "
+    "launched by torchrun or srun, and marked tests run in place, SPMD), 'auto' (external "
+    "under torchrun, else local; under an srun step of several tasks it asks you to choose) "
+    f"(default: {DEFAULT_LAUNCHER}; ini key: fsdp_launcher)"
+)
 HELP_MARKER: Final = (
     f"{MARKER_NAME}(nproc=None, backend=None, isolated=False, timeout=None): run the test body "
     "in nproc ranks started by torchrun (default --fsdp-nproc), on backend 'auto', 'gloo' or "
@@ -55,6 +64,8 @@ _OPTION_TIMEOUT: Final = "--fsdp-timeout"
 _INI_NPROC: Final = "fsdp_nproc"
 _INI_BACKEND: Final = "fsdp_backend"
 _INI_TIMEOUT: Final = "fsdp_timeout"
+_OPTION_LAUNCHER: Final = "--fsdp-launcher"
+_INI_LAUNCHER: Final = "fsdp_launcher"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +125,11 @@ def add_options(parser: pytest.Parser) -> None:
     parser.addini(_INI_NPROC, HELP_NPROC, default="")
     parser.addini(_INI_BACKEND, HELP_BACKEND, default="")
     parser.addini(_INI_TIMEOUT, HELP_TIMEOUT, default="")
+    launchers = "{" + ",".join(LAUNCHERS) + "}"
+    group.addoption(
+        _OPTION_LAUNCHER, dest=_INI_LAUNCHER, metavar=launchers, default=None, help=HELP_LAUNCHER
+    )
+    parser.addini(_INI_LAUNCHER, HELP_LAUNCHER, default="")
 
 
 def register_marker(config: pytest.Config) -> None:
@@ -200,6 +216,29 @@ def session_settings(config: pytest.Config) -> SessionSettings:
     if (raw := pick(_INI_TIMEOUT, _OPTION_TIMEOUT)) is not None:
         timeout = validate_timeout(*raw)
     return SessionSettings(nproc=nproc, backend=backend, timeout=timeout)
+
+
+def validate_launcher(value: object, where: str) -> str:
+    """One of ``auto``, ``local``, ``external``."""
+    if isinstance(value, str) and value.strip().lower() in LAUNCHERS:
+        return value.strip().lower()
+    raise_for(where, f"expected one of {', '.join(LAUNCHERS)}, got {value!r}")
+    raise AssertionError("unreachable")
+
+
+def launcher_setting(config: pytest.Config) -> str:
+    """``--fsdp-launcher``, else the ini key ``fsdp_launcher``, else ``auto``, validated.
+
+    Raises ``pytest.UsageError`` naming the option or ini key of a bad value.
+    """
+    cli = config.getoption(_INI_LAUNCHER)
+    if cli is not None:
+        return validate_launcher(cli, f"{_OPTION_LAUNCHER}={cli}")
+    ini = config.getini(_INI_LAUNCHER)
+    if ini in ("", None):
+        return DEFAULT_LAUNCHER
+    inipath = f" in {config.inipath}" if config.inipath else ""
+    return validate_launcher(ini, f"ini key '{_INI_LAUNCHER}'{inipath}")
 
 
 def is_marked(item: pytest.Item) -> bool:
