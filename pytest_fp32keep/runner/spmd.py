@@ -15,7 +15,10 @@ collection finds a marked test:
    (:func:`.reports.merge_phase`): a phase passes only if every rank passed it, a failure names
    the failing ranks and shows their tracebacks, merged. Every rank then takes the same
    decisions (run the call phase, ``-x``) and ends with the same exit status;
-4. only rank 0 writes to the terminal: the other ranks' terminal reporter is blocked.
+4. only rank 0 writes to the terminal: the other ranks' terminal reporter is blocked;
+5. a test that does not finish within its timeout ends the run with every rank's stack on rank 0
+   (:mod:`.spmd_watch`); a launcher's SIGTERM (it stops every rank when one fails or dies) ends
+   it naming the test that was running.
 
 The launcher owns the processes: the plugin starts, kills and restarts none, and opens no
 listener beyond the process groups the launcher's rendezvous brings up.
@@ -26,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import os
 import signal
 import sys
 from typing import TYPE_CHECKING, Any, Final
@@ -43,6 +47,7 @@ from pytest_fp32keep.runner.rank_session import (
     _numpy_seed_function,
     _seed_everything,
 )
+from pytest_fp32keep.runner.spmd_watch import HangWatch
 
 if TYPE_CHECKING:
     from collections.abc import Generator
@@ -60,16 +65,25 @@ def register(
         # As ``-p no:terminal``: blocked before the terminal plugin registers its reporter (or
         # removed if it already has), so the header, progress and summary come from rank 0 only.
         config.pluginmanager.set_blocked("terminalreporter")
-    config.pluginmanager.register(SpmdSession(config, settings, world), PLUGIN_NAME)
+    # The terminal as it is now, before pytest captures fd 1 around each test: where rank 0's
+    # hang watch writes when a test never returns.
+    terminal_fd = os.dup(1) if world.rank == 0 else -1
+    config.pluginmanager.register(SpmdSession(config, settings, world, terminal_fd), PLUGIN_NAME)
 
 
 class SpmdSession:
     """One rank's part in a session run SPMD over a launched world."""
 
     def __init__(
-        self, config: pytest.Config, settings: options.SessionSettings, world: LaunchedWorld
+        self,
+        config: pytest.Config,
+        settings: options.SessionSettings,
+        world: LaunchedWorld,
+        terminal_fd: int = -1,
     ) -> None:
         self._config = config
+        self._terminal_fd = terminal_fd
+        self._watch: HangWatch | None = None
         self._settings = settings
         self._world = world
         self._side: Any = None  # the side gloo group, once the session has marked tests
@@ -101,13 +115,34 @@ class SpmdSession:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item) -> None:
-        """Remember the running test: a launcher's SIGTERM names it."""
+        """Remember the running test (a launcher's SIGTERM names it) and arm the hang watch."""
         self._current = item.nodeid
+        if self._watch is not None:
+            self._watch.begin(item.nodeid, self._item_timeout(item))
+
+    def pytest_runtest_logfinish(self) -> None:
+        """The test's last agreement is done on every rank: disarm the hang watch."""
+        if self._watch is not None:
+            self._watch.end()
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_call(self) -> None:
+        """For the hang watch's report."""
+        if self._watch is not None:
+            self._watch.doing("in call")
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_teardown(self) -> None:
+        """For the hang watch's report."""
+        if self._watch is not None:
+            self._watch.doing("in teardown")
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         """A marked test runs here only if its marker fits the launched world; seeded the same
         on every rank, as in the local mode."""
+        if self._watch is not None:
+            self._watch.doing("in setup")
         if self._side is None or not options.is_marked(item):
             return
         context = self._config.stash[RANK_CONTEXT_KEY]
@@ -141,6 +176,8 @@ class SpmdSession:
         if self._side is None:
             return report
         config = self._config
+        if self._watch is not None:
+            self._watch.doing(f"done with its {call.when}, waiting for the other ranks")
         data = config.hook.pytest_report_to_serializable(config=config, report=report)
         gathered = self._exchange(
             {"nodeid": item.nodeid, "when": call.when, "report": data},
@@ -199,8 +236,6 @@ class SpmdSession:
 
     def _form_groups(self) -> None:
         """The default group from the launcher's ``env://`` variables, and the side group."""
-        import os
-
         import torch
         import torch.distributed as dist
 
@@ -218,6 +253,7 @@ class SpmdSession:
         timeout = datetime.timedelta(seconds=self._timeout_s)
         self._side = dist.new_group(backend="gloo", timeout=timeout)
         self._previous_sigterm = signal.signal(signal.SIGTERM, self._terminated)
+        self._watch = HangWatch(world.rank, world.world_size, world.launcher, self._terminal_fd)
         self._config.stash[RANK_CONTEXT_KEY] = context
 
     def _backend(self, torch: Any) -> str:
@@ -251,16 +287,19 @@ class SpmdSession:
             )
         return gathered
 
+    def _item_timeout(self, item: pytest.Item) -> float:
+        """The marker's ``timeout``, else ``--fsdp-timeout`` (unmarked tests and bad markers)."""
+        if not options.is_marked(item):
+            return self._settings.timeout
+        try:
+            return options.item_settings(item, self._settings).timeout
+        except options.MarkerError:
+            return self._settings.timeout
+
     def _longest_timeout(self, marked: list[pytest.Item]) -> float:
         """The longest test timeout the session's markers ask for (a bad marker counts as the
         session's; its test fails in setup)."""
-        timeouts = [self._settings.timeout]
-        for item in marked:
-            try:
-                timeouts.append(options.item_settings(item, self._settings).timeout)
-            except options.MarkerError:
-                continue
-        return max(timeouts)
+        return max([self._settings.timeout, *(self._item_timeout(item) for item in marked)])
 
 
 def _first_line(exc: BaseException) -> str:

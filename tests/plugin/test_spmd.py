@@ -203,6 +203,25 @@ def test_after():
     record("after")
 """
 
+HANGING = """
+import pytest
+import torch
+import torch.distributed as dist
+
+from rankrec import record
+
+
+@pytest.mark.fsdp2(timeout=5)
+def test_hangs_on_rank_zero(fsdp2_rank):
+    if fsdp2_rank == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins
+
+
+@pytest.mark.fsdp2
+def test_after():
+    record("after")
+"""
+
 
 def one_node_session(
     factory: pytest.TempPathFactory, name: str, source: str
@@ -245,6 +264,27 @@ def test_a_rank_that_dies_ends_the_run_with_the_cause_on_rank_zero(
     )
     assert cause, "rank 0 did not name the cause"
     assert "exitcode  : 7" in run.combined  # the launcher names the rank that died
+    assert project.records("after") == []
+    assert run.returncodes != [0]
+    assert leftovers == []
+
+
+def test_a_hang_ends_the_run_with_every_ranks_stack_on_rank_zero(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    project, run, leftovers = one_node_session(tmp_path_factory, "hanging", HANGING)
+    # Only the hang watch says this (the process group's own timeout is 65 s here, and says
+    # something else): the run ended at the test's timeout.
+    report = run.combined.split(
+        "fsdp2: test_hanging.py::test_hangs_on_rank_zero did not finish within 5 s on the 2 "
+        "ranks torchrun launched; the run ends here",
+        1,
+    )
+    assert len(report) == 2, "no hang report"
+    rank0 = report[1].split("---- rank 0: in call ----", 1)[1]
+    assert "dist.all_reduce(torch.ones(1))  # rank 1 never joins" in rank0.split("---- rank 1")[0]
+    assert "---- rank 1: done with its call, waiting for the other ranks ----" in report[1]
+    assert run.combined.count("did not finish within") == 1  # rank 0 alone reports
     assert project.records("after") == []
     assert run.returncodes != [0]
     assert leftovers == []
