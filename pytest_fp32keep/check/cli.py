@@ -33,6 +33,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, NoReturn
 
+from pytest_fp32keep.check.in_place import LAUNCHERS, launched_world, run_in_place
 from pytest_fp32keep.check.layout import terminal_width
 from pytest_fp32keep.check.render import render_markdown, render_text
 from pytest_fp32keep.runner.processes import TorchrunProcess
@@ -187,6 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds before the ranks are killed (default 1800)",
     )
     check.add_argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        default="auto",
+        help="who starts the ranks: 'local' (this command starts --nproc of them), 'external' "
+        "(every process of a world torchrun or srun launched runs this command; rank 0 prints), "
+        "'auto' (external under torchrun, else local; default)",
+    )
+    check.add_argument(
         "--family",
         action="append",
         default=[],
@@ -333,6 +342,12 @@ def check(args: argparse.Namespace, usage_error: UsageError) -> int:
     )
 
     _validate_options(args, usage_error)
+    try:
+        world = launched_world(args.launcher)
+    except ValueError as error:
+        usage_error(str(error))
+    nproc = args.nproc if world is None else world.world_size
+    quiet = world is not None and world.rank != 0  # under a launcher, rank 0 alone prints
     # The ranks import a TARGET with the current directory on their path (``python -m`` and
     # PYTHONPATH, see _launch); the console script's own path lacks it. Validate the same way.
     if os.getcwd() not in sys.path:
@@ -358,7 +373,7 @@ def check(args: argparse.Namespace, usage_error: UsageError) -> int:
         print("fp32keep check: error: no target is available to check", file=sys.stderr)
         return 2
     width = terminal_width()
-    progress = sys.stdout.isatty()
+    progress = sys.stdout.isatty() and not quiet
     spec = {
         "targets": [*args.targets, *(family_spec(name) for name in families)],
         "batch": args.batch,
@@ -373,16 +388,21 @@ def check(args: argparse.Namespace, usage_error: UsageError) -> int:
     if progress:
         total = len(targets) * len(args.dtype) * len(args.context) * len(spec["prefetch"])
         cases = f"{total} case{'s' if total != 1 else ''}"
-        ranks = f"{args.nproc} rank{'s' if args.nproc != 1 else ''}"
+        ranks = f"{nproc} rank{'s' if nproc != 1 else ''}"
         print(f"fp32keep check: running {cases} in {ranks}", flush=True)
     started = time.monotonic()
     try:
-        result = _launch(spec, args.nproc, args.timeout)
+        if world is None:
+            result = _launch(spec, args.nproc, args.timeout)
+        elif (ours := run_in_place(spec, world)) is not None:
+            result = ours
+        else:
+            return 0  # not rank 0: rank 0 holds every rank's verdicts and reports them
     except RuntimeError as error:
         print(f"fp32keep check: error: {error}", file=sys.stderr)
         return 1
     result.update(
-        nproc=args.nproc,
+        nproc=nproc,
         versions=_versions(),
         commit=_commit(),
         date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

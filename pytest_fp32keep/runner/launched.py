@@ -93,11 +93,11 @@ def detect(launcher: str, environ: Mapping[str, str]) -> LaunchedWorld | None:
     if launcher == "external":
         if not slurm:
             raise pytest.UsageError(
-                "--fsdp-launcher=external: this pytest was not started by a launcher: "
+                "--fsdp-launcher=external: this process was not started by a launcher: "
                 f"expected torchrun's {', '.join(TORCHRUN_VARIABLES)}, or SLURM's "
                 f"{', '.join(SLURM_VARIABLES)}, {SLURM_TASKS} with "
-                f"{' and '.join(RENDEZVOUS_VARIABLES)}. Run pytest under torchrun or srun, or "
-                "use --fsdp-launcher=local (the plugin starts its own ranks)"
+                f"{' and '.join(RENDEZVOUS_VARIABLES)}. Run it under torchrun or srun, or use "
+                "--fsdp-launcher=local (ranks of its own, started on this machine)"
             )
         missing = [name for name in RENDEZVOUS_VARIABLES if name not in environ]
         if missing:

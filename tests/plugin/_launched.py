@@ -20,6 +20,8 @@ from pathlib import Path
 
 from tests.plugin._inner import TAG_VARIABLE
 
+#: What each process runs unless told: pytest, without the cache (ranks would share it).
+PYTEST = ("-m", "pytest", "-p", "no:cacheprovider")
 #: Bound on one launched inner session (4 ranks importing torch on a small machine).
 LAUNCHED_TIMEOUT_S = 480.0
 
@@ -45,9 +47,15 @@ def free_loopback_port() -> int:
 
 
 def torchrun_command(
-    nnodes: int, nproc: int, node_rank: int, port: int, run_id: str, args: list[str]
+    nnodes: int,
+    nproc: int,
+    node_rank: int,
+    port: int,
+    run_id: str,
+    args: list[str],
+    program: tuple[str, ...] = PYTEST,
 ) -> list[str]:
-    """``torchrun`` for one node of a c10d rendezvous on loopback, running pytest."""
+    """``torchrun`` for one node of a c10d rendezvous on loopback, running ``program``."""
     return [
         sys.executable,
         "-m",
@@ -60,10 +68,7 @@ def torchrun_command(
         f"--rdzv-id={run_id}",
         "--local-addr=127.0.0.1",
         "--max-restarts=0",
-        "-m",
-        "pytest",
-        "-p",
-        "no:cacheprovider",
+        *program,
         *args,
     ]
 
@@ -76,8 +81,10 @@ def run_launched(
     nnodes: int = 2,
     nproc: int = 2,
     timeout: float = LAUNCHED_TIMEOUT_S,
+    program: tuple[str, ...] = PYTEST,
 ) -> LaunchedRun:
-    """Run pytest in ``project`` under ``nnodes`` torchruns of ``nproc`` workers each."""
+    """Run ``program`` (pytest) in ``project`` under ``nnodes`` torchruns of ``nproc`` workers
+    each."""
     port = free_loopback_port()
     env = {**os.environ, TAG_VARIABLE: tag, "GLOO_SOCKET_IFNAME": "lo"}
     env.pop("PYTEST_ADDOPTS", None)
@@ -86,7 +93,7 @@ def run_launched(
     processes: list[subprocess.Popen[bytes]] = []
     try:
         for node, log in enumerate(logs):
-            command = torchrun_command(nnodes, nproc, node, port, tag, args)
+            command = torchrun_command(nnodes, nproc, node, port, tag, args, program)
             with open(log, "wb") as out:
                 processes.append(
                     subprocess.Popen(

@@ -130,7 +130,7 @@ def test_a_long_difference_is_cut() -> None:
         pytest.param(
             ["--fsdp-launcher=external"],
             "",
-            "--fsdp-launcher=external: this pytest was not started by a launcher",
+            "--fsdp-launcher=external: this process was not started by a launcher",
             id="external-without-launcher",
         ),
     ],
