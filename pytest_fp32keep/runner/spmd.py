@@ -219,6 +219,12 @@ class SpmdSession:
         with contextlib.suppress(Exception):  # a peer already gone: nothing left to wait for
             dist.barrier(group=self._side)
         self._side = None
+        if self._watch is not None:
+            self._watch.end()
+            self._watch = None
+        if self._terminal_fd >= 0:
+            os.close(self._terminal_fd)
+            self._terminal_fd = -1
         signal.signal(signal.SIGTERM, self._previous_sigterm)
         _destroy_process_group()
 
