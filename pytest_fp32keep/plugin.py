@@ -10,9 +10,11 @@ The fixtures import torch inside their bodies, in the ranks.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from pytest_fp32keep.runner import options, world_sizes
+from pytest_fp32keep.runner import launched, options, world_sizes
 from pytest_fp32keep.runner.rank_context import RANK_CONTEXT_KEY
 
 #: The fixtures live in their own module; registering it as a plugin of this one makes them
@@ -33,8 +35,16 @@ def pytest_configure(config: pytest.Config) -> None:
     """Register the marker, validate the settings, and (outside the ranks) wait for marked tests."""
     options.register_marker(config)
     settings = options.session_settings(config)  # raises pytest.UsageError on a bad value
+    launcher = options.launcher_setting(config)
     if RANK_CONTEXT_KEY in config.stash:
         return  # inside a rank: the rank session drives the tests
+    world = launched.detect(launcher, os.environ)
+    if world is not None:
+        # One process of a world torchrun or srun launched: marked tests run in place, SPMD.
+        from pytest_fp32keep.runner import spmd
+
+        spmd.register(config, settings, world)
+        return
     config.pluginmanager.register(ControllerOnDemand(config, settings), ON_DEMAND_PLUGIN_NAME)
 
 

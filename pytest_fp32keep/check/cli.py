@@ -3,7 +3,7 @@
     fp32keep check [TARGET ...] [--nproc N] [--dtype bf16,fp16] [--context autocast,direct]
                    [--prefetch] [--master-dtype fp32] [--measure-spread] [--expect-kept N]
                    [--batch MODULE:FUNCTION] [--report FILE.md] [--report-json FILE.json]
-                   [--timeout SECONDS]
+                   [--timeout SECONDS] [--launcher auto|local|external]
 
 A TARGET is a zoo name (``fp32keep check --list`` shows them) or ``package.module:factory``, a
 zero-argument function returning an ``nn.Module``. ``--family NAME`` (repeatable; a folder under
@@ -30,202 +30,14 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 from typing import Any, NoReturn
 
+from pytest_fp32keep.check.arguments import build_parser, versions
+from pytest_fp32keep.check.in_place import launched_world, run_in_place
 from pytest_fp32keep.check.layout import terminal_width
 from pytest_fp32keep.check.render import render_markdown, render_text
 from pytest_fp32keep.runner.processes import TorchrunProcess
-
-DTYPE_CHOICES = ("bf16", "fp16")
-CONTEXT_CHOICES = ("autocast", "direct")
-#: ``--master-dtype``: the storage convention the ranks judge (see ranks.MASTER_DTYPES).
-MASTER_DTYPE_CHOICES = ("fp32",)
-
-
-def _csv(choices: Sequence[str], option: str) -> Any:
-    def parse(text: str) -> list[str]:
-        values = [value.strip() for value in text.split(",") if value.strip()]
-        bad = [value for value in values if value not in choices]
-        if bad or not values:
-            raise argparse.ArgumentTypeError(
-                f"{option} takes a comma-separated list of {', '.join(choices)}; got {text!r}"
-            )
-        return list(dict.fromkeys(values))
-
-    return parse
-
-
-def _positive_int(option: str) -> Any:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{option} must be a whole number, got {text!r}"
-            ) from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{option} must be at least 1, got {value}")
-        return value
-
-    return parse
-
-
-def _report_path(option: str, suffix: str, other: str) -> Any:
-    """An argparse type: a file ``option`` can write, in a folder that exists, named so that
-    it is not mistaken for the other report (``suffix`` is the wrong one)."""
-
-    def parse(text: str) -> Path:
-        path = Path(text)
-        if path.suffix.lower() == suffix:
-            raise argparse.ArgumentTypeError(
-                f"{text!r} ends in {suffix}, but {option} writes "
-                f"{'Markdown' if option == '--report' else 'JSON'}: use {other} {text!r} for "
-                f"that, or give {option} a file ending in "
-                f"{'.md' if option == '--report' else '.json'}"
-            )
-        if text.endswith(("/", os.sep)) or path.is_dir():
-            raise argparse.ArgumentTypeError(
-                f"{text!r} is a folder; name a file in it, e.g. "
-                f"{str(path / ('summary.md' if option == '--report' else 'summary.json'))!r}"
-            )
-        folder = path.parent
-        if not folder.exists():
-            raise argparse.ArgumentTypeError(
-                f"the folder {str(folder)!r} does not exist: create it first "
-                f"(mkdir -p {folder}) or write the report elsewhere"
-            )
-        if not folder.is_dir():
-            raise argparse.ArgumentTypeError(f"{str(folder)!r} is not a folder")
-        try:  # os.access says yes to root on a read-only file system: try it
-            with tempfile.TemporaryFile(dir=folder):
-                pass
-        except OSError as error:
-            raise argparse.ArgumentTypeError(
-                f"cannot write in the folder {str(folder)!r} ({error.strerror or error}): "
-                "choose a folder you can write to"
-            ) from None
-        return path
-
-    return parse
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The ``fp32keep`` command line."""
-    parser = argparse.ArgumentParser(prog="fp32keep", description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--version",
-        action="version",
-        version=f"%(prog)s {_versions()['pytest-fp32keep']}",
-        help="print the installed pytest-fp32keep version and exit",
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-    check = commands.add_parser(
-        "check",
-        help="run the FP32-keep contract in N ranks and print a table",
-        description="Run the FP32-keep contract on the built-in zoo (default) or on TARGETs.",
-    )
-    check.add_argument(
-        "targets", nargs="*", metavar="TARGET", help="zoo name or package.module:factory"
-    )
-    check.add_argument(
-        "--nproc", type=_positive_int("--nproc"), default=2, help="ranks (default 2)"
-    )
-    check.add_argument(
-        "--dtype",
-        type=_csv(DTYPE_CHOICES, "--dtype"),
-        default=list(DTYPE_CHOICES),
-        help="low-precision dtypes (default bf16,fp16)",
-    )
-    check.add_argument(
-        "--context",
-        type=_csv(CONTEXT_CHOICES, "--context"),
-        default=["autocast"],
-        help="run forward under torch.autocast, directly in the stored dtypes, or both "
-        "(default autocast: how mixed-precision training usually runs forward; the API's "
-        "assert_fp32_keep_contract defaults to autocast=False, see docs/api.md)",
-    )
-    check.add_argument("--prefetch", action="store_true", help="also run with forward prefetch on")
-    check.add_argument(
-        "--master-dtype",
-        choices=MASTER_DTYPE_CHOICES,
-        default=None,
-        help="judge FP32 master weights: every trainable parameter stored in FP32, the "
-        "policy's param_dtype casts for compute (accelerate, verl, torchtitan); default: "
-        "parameters that are not kept stored in --dtype",
-    )
-    check.add_argument(
-        "--measure-spread",
-        action="store_true",
-        help="run the parity control twice on every case and report how far its two runs "
-        "differ (a diagnostic: the control already runs twice wherever a run is not known to "
-        "be deterministic; docs/contract.md)",
-    )
-    check.add_argument(
-        "--expect-kept",
-        type=_positive_int("--expect-kept"),
-        default=None,
-        metavar="N",
-        help="fail every case that keeps fewer than N tensors in FP32 (a case that keeps "
-        "nothing otherwise passes as 'pass (nothing kept)', with a note saying why)",
-    )
-    check.add_argument(
-        "--batch",
-        metavar="MODULE:FUNCTION",
-        help="function(model) -> batch for the package.module:factory TARGETs (zoo entries "
-        "build their own)",
-    )
-    check.add_argument(
-        "--report",
-        type=_report_path("--report", ".json", "--report-json"),
-        metavar="FILE.md",
-        help="write the report as Markdown to FILE.md, and as JSON beside it (FILE.json) "
-        "unless --report-json names the JSON file",
-    )
-    check.add_argument(
-        "--report-json",
-        type=_report_path("--report-json", ".md", "--report"),
-        metavar="FILE.json",
-        help="write the report as JSON to FILE.json",
-    )
-    check.add_argument(
-        "--timeout",
-        type=_positive_int("--timeout"),
-        default=1800,
-        help="seconds before the ranks are killed (default 1800)",
-    )
-    check.add_argument(
-        "--family",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="also check the Transformers model family NAME (a folder under "
-        "transformers/models, e.g. t5), built from an automatically shrunk config; repeatable",
-    )
-    check.add_argument(
-        "--all-families",
-        action="store_true",
-        help="check every family of the installed Transformers whose model keeps a tensor",
-    )
-    check.add_argument(
-        "--list",
-        action="store_true",
-        help="list the zoo entries and exit; with --family/--all-families, list those families "
-        "and whether each builds",
-    )
-    check.set_defaults(usage_error=check.error)  # errors that need several options at once
-    return parser
-
-
-def _versions() -> dict[str, str]:
-    versions = {}
-    for package in ("torch", "transformers", "pytest-fp32keep"):
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = "not installed"
-    return versions
 
 
 def _commit() -> str | None:
@@ -342,6 +154,12 @@ def check(args: argparse.Namespace, usage_error: UsageError) -> int:
     )
 
     _validate_options(args, usage_error)
+    try:
+        world = launched_world(args.launcher)
+    except ValueError as error:
+        usage_error(str(error))
+    nproc = args.nproc if world is None else world.world_size
+    quiet = world is not None and world.rank != 0  # under a launcher, rank 0 alone prints
     # The ranks import a TARGET with the current directory on their path (``python -m`` and
     # PYTHONPATH, see _launch); the console script's own path lacks it. Validate the same way.
     if os.getcwd() not in sys.path:
@@ -367,7 +185,7 @@ def check(args: argparse.Namespace, usage_error: UsageError) -> int:
         print("fp32keep check: error: no target is available to check", file=sys.stderr)
         return 2
     width = terminal_width()
-    progress = sys.stdout.isatty()
+    progress = sys.stdout.isatty() and not quiet
     spec = {
         "targets": [*args.targets, *(family_spec(name) for name in families)],
         "batch": args.batch,
@@ -383,17 +201,22 @@ def check(args: argparse.Namespace, usage_error: UsageError) -> int:
     if progress:
         total = len(targets) * len(args.dtype) * len(args.context) * len(spec["prefetch"])
         cases = f"{total} case{'s' if total != 1 else ''}"
-        ranks = f"{args.nproc} rank{'s' if args.nproc != 1 else ''}"
+        ranks = f"{nproc} rank{'s' if nproc != 1 else ''}"
         print(f"fp32keep check: running {cases} in {ranks}", flush=True)
     started = time.monotonic()
     try:
-        result = _launch(spec, args.nproc, args.timeout)
+        if world is None:
+            result = _launch(spec, args.nproc, args.timeout)
+        elif (ours := run_in_place(spec, world)) is not None:
+            result = ours
+        else:
+            return 0  # not rank 0: rank 0 holds every rank's verdicts and reports them
     except RuntimeError as error:
         print(f"fp32keep check: error: {error}", file=sys.stderr)
         return 1
     result.update(
-        nproc=args.nproc,
-        versions=_versions(),
+        nproc=nproc,
+        versions=versions(),
         commit=_commit(),
         date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         seconds=round(time.monotonic() - started, 1),

@@ -106,8 +106,9 @@ class ViewWarnings:
 
 
 def _init() -> str:
-    world = int(os.environ["WORLD_SIZE"])
-    use_nccl = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    # One device per rank of this node (torchrun's LOCAL_WORLD_SIZE; one node: the world).
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    use_nccl = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
     if use_nccl:
         # cuBLAS reads it when it starts (the first matmul): before that, in every rank, so
         # that the contract's deterministic runs are deterministic in cuBLAS too. A value the

@@ -31,6 +31,8 @@ ENV_MAX_NPROC: Final = "FP32KEEP_MAX_NPROC"
 #: The parameter a marker's list of world sizes becomes (one case per size, ids ``nprocN``);
 #: the runner's fixture of the same name gives the same number inside the ranks.
 WORLD_SIZE_PARAM: Final = "fsdp2_world_size"
+DEFAULT_LAUNCHER: Final = "auto"
+LAUNCHERS: Final = ("auto", "local", "external")
 
 HELP_NPROC: Final = (
     "number of ranks (processes started by torchrun) that run each test marked "
@@ -52,6 +54,13 @@ HELP_MAX_NPROC: Final = (
     "nproc=[...] list) that needs more is skipped, naming the cap, instead of oversubscribing "
     f"the machine (default: no cap; ini key: fsdp_max_nproc; environment: {ENV_MAX_NPROC})"
 )
+HELP_LAUNCHER: Final = (
+    "who starts the ranks of marked tests: 'local' (the plugin starts --fsdp-nproc ranks of "
+    "its own on this machine), 'external' (pytest itself runs in every process of a world "
+    "launched by torchrun or srun, and marked tests run in place, SPMD), 'auto' (external "
+    "under torchrun, else local; under an srun step of several tasks it asks you to choose) "
+    f"(default: {DEFAULT_LAUNCHER}; ini key: fsdp_launcher)"
+)
 HELP_MARKER: Final = (
     f"{MARKER_NAME}(nproc=None, backend=None, isolated=False, timeout=None): run the test body "
     "in nproc ranks started by torchrun (default --fsdp-nproc; a list such as nproc=[1, 2, 4] "
@@ -69,6 +78,8 @@ _INI_NPROC: Final = "fsdp_nproc"
 _INI_BACKEND: Final = "fsdp_backend"
 _INI_TIMEOUT: Final = "fsdp_timeout"
 _INI_MAX_NPROC: Final = "fsdp_max_nproc"
+_OPTION_LAUNCHER: Final = "--fsdp-launcher"
+_INI_LAUNCHER: Final = "fsdp_launcher"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +148,11 @@ def add_options(parser: pytest.Parser) -> None:
     parser.addini(_INI_BACKEND, HELP_BACKEND, default="")
     parser.addini(_INI_TIMEOUT, HELP_TIMEOUT, default="")
     parser.addini(_INI_MAX_NPROC, HELP_MAX_NPROC, default="")
+    launchers = "{" + ",".join(LAUNCHERS) + "}"
+    group.addoption(
+        _OPTION_LAUNCHER, dest=_INI_LAUNCHER, metavar=launchers, default=None, help=HELP_LAUNCHER
+    )
+    parser.addini(_INI_LAUNCHER, HELP_LAUNCHER, default="")
 
 
 def register_marker(config: pytest.Config) -> None:
@@ -269,6 +285,29 @@ def session_settings(config: pytest.Config) -> SessionSettings:
     if (raw := pick(_INI_MAX_NPROC, _OPTION_MAX_NPROC, ENV_MAX_NPROC)) is not None:
         max_nproc, max_nproc_from = validate_nproc(*raw), raw[1]
     return SessionSettings(nproc, backend, timeout, max_nproc, max_nproc_from)
+
+
+def validate_launcher(value: object, where: str) -> str:
+    """One of ``auto``, ``local``, ``external``."""
+    if isinstance(value, str) and value.strip().lower() in LAUNCHERS:
+        return value.strip().lower()
+    raise_for(where, f"expected one of {', '.join(LAUNCHERS)}, got {value!r}")
+    raise AssertionError("unreachable")
+
+
+def launcher_setting(config: pytest.Config) -> str:
+    """``--fsdp-launcher``, else the ini key ``fsdp_launcher``, else ``auto``, validated.
+
+    Raises ``pytest.UsageError`` naming the option or ini key of a bad value.
+    """
+    cli = config.getoption(_INI_LAUNCHER)
+    if cli is not None:
+        return validate_launcher(cli, f"{_OPTION_LAUNCHER}={cli}")
+    ini = config.getini(_INI_LAUNCHER)
+    if ini in ("", None):
+        return DEFAULT_LAUNCHER
+    inipath = f" in {config.inipath}" if config.inipath else ""
+    return validate_launcher(ini, f"ini key '{_INI_LAUNCHER}'{inipath}")
 
 
 def is_marked(item: pytest.Item) -> bool:

@@ -433,6 +433,11 @@ def _members(outcomes: Sequence[RankOutcome], when: Phase) -> list[_Member]:
     return [m for m in members if m.report is not None or m.fault is not None]
 
 
+def merge_phase(info: ItemInfo, when: Phase, outcomes: Sequence[RankOutcome]) -> pytest.TestReport:
+    """One phase's report from every rank's report of it (ranks that agree after each phase)."""
+    return _merge_phase(info, when, _members(outcomes, when), len(outcomes))
+
+
 def merge(info: ItemInfo, outcomes: Sequence[RankOutcome]) -> list[pytest.TestReport]:
     """The parent's reports for one test from every rank's outcome (see the module rules)."""
     world_size = len(outcomes)

@@ -12,7 +12,7 @@ from torch import nn
 
 import fp32keep
 from pytest_fp32keep import assert_fp32_keep_contract, build_unsharded_reference
-from pytest_fp32keep.check.cli import build_parser
+from pytest_fp32keep.check.arguments import build_parser
 from pytest_fp32keep.check.ranks import MASTER_DTYPES
 from pytest_fp32keep.contract.master import expected_storage
 from pytest_fp32keep.contract.policy import expected_grads
