@@ -84,6 +84,11 @@ def _cases() -> list[object]:
         for policy in POLICIES
         for model in MODELS
         for storage in STORAGE
+        # FP32 masters store nothing in fp16, so a bf16 policy over them runs in bf16, and
+        # the fp16 plan is refused (KeepPlanError: tests/multirank/test_plan_use_fsdp2.py)
+        if not (
+            storage == "master" and POLICIES[policy](MODELS[model]).param_dtype != MODELS[model]
+        )
     ]
 
 
