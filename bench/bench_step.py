@@ -65,6 +65,9 @@ SCRIPT = Path(__file__).resolve()
 NPROC = 2
 ARMS = ("plain", "per-module", "model-wide", "grouped", "local-plain", "local-kept")
 SHARDED = ("plain", "per-module", "model-wide", "grouped")
+MASTER_ARMS = ("plain-master", "units-master", "policy-master")
+"""Over FP32 master weights (every trainable parameter stored in FP32), where torch 2.15's
+``param_dtype_override_fn`` can keep FP32 inside the caller's units: run where the torch has it."""
 GROUP_KEPT = {"per-module": False, "model-wide": "model", "grouped": "block"}
 """``apply_fsdp2(group_kept=...)`` of each keep-aware sharded arm."""
 ARM_TITLES = {
@@ -74,6 +77,9 @@ ARM_TITLES = {
     "grouped": "(c') fp32keep group_kept='block'",
     "local-plain": "unsharded, bf16, nothing kept",
     "local-kept": "unsharded, keep-aware cast",
+    "plain-master": "(m) plain FSDP2 over FP32 masters, nothing kept",
+    "units-master": "(m-units) FP32 masters, kept units (keep_by='units')",
+    "policy-master": "(m-policy) FP32 masters, the policy's override (keep_by='policy')",
 }
 KEPT_ENTRIES = ["norm", "gate.weight"]
 
@@ -111,7 +117,9 @@ def _worker(args: argparse.Namespace) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model_config = QUICK_MODEL if args.quick else FULL_MODEL
     batch, seq = QUICK_BATCH if args.quick else FULL_BATCH
-    arms = ARMS
+    from fp32keep.keep_policy import OVERRIDE_SUPPORTED
+
+    arms = ARMS + (MASTER_ARMS if OVERRIDE_SUPPORTED else ())
     steppers = {arm: _build_arm(arm, model_config, mesh) for arm in arms}
     generator = torch.Generator().manual_seed(0)
     batches = [
@@ -121,7 +129,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     counts: dict[str, dict[str, int]] = {}
     losses: dict[str, list[float]] = {arm: [] for arm in arms}
-    for arm in (arm for arm in arms if arm in SHARDED):
+    for arm in (arm for arm in arms if arm in SHARDED + MASTER_ARMS):
         step = steppers[arm]
         with CollectiveCounter() as counter:
             losses[arm].append(step(batches[0]))
@@ -141,7 +149,7 @@ def _worker(args: argparse.Namespace) -> None:
                 seconds[arm].append(float(elapsed.item()))
                 losses[arm].append(loss)
     if rank == 0:
-        units = {arm: steppers[arm].fsdp_units() for arm in arms if arm in SHARDED}
+        units = {arm: steppers[arm].fsdp_units() for arm in arms if arm in SHARDED + MASTER_ARMS}
         payload = {
             "arms": arms,
             "seconds": seconds,
@@ -239,11 +247,18 @@ def _build_arm(arm: str, model_config: Mapping[str, int], mesh: Any) -> Stepper:
         model.to(torch.bfloat16)
     elif arm == "local-kept":
         fp32keep.keep_aware_cast(model, torch.bfloat16)
-    elif arm == "plain":
-        model.to(torch.bfloat16)
+    elif arm in ("plain", "plain-master"):
+        if arm == "plain":
+            model.to(torch.bfloat16)  # else the FP32 masters as built
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
+    elif arm in MASTER_ARMS:
+        plan = fp32keep.resolve_keep_plan(model, torch.bfloat16)
+        fp32keep.keep_aware_cast(model, torch.bfloat16, plan=plan)
+        fp32keep.upcast_to_fp32_master(model)
+        keep_by = "policy" if arm == "policy-master" else "units"
+        fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=policy, plan=plan, keep_by=keep_by)
     else:
         plan = fp32keep.resolve_keep_plan(model, torch.bfloat16)
         fp32keep.keep_aware_cast(model, torch.bfloat16, plan=plan)
@@ -333,7 +348,7 @@ def _report(
             spread([s * 1e3 for s in data["seconds"][arm]]),
             fmt(_paired(data, arm, "plain", ratio=True)),
         ]
-        if arm in SHARDED:
+        if arm in SHARDED + MASTER_ARMS:
             counts: dict[str, int] = data["counts"][arm]
             ag[arm] = sum(n for op, n in counts.items() if "allgather" in op or "all_gather" in op)
             rs[arm] = sum(n for op, n in counts.items() if "reduce_scatter" in op)
@@ -342,6 +357,7 @@ def _report(
             row += ["0", "0", "0"]
         table.rows.append(row)
     result.tables.append(table)
+    _master_targets(result, data, ag, rs)
 
     ours = _paired(data, "model-wide", "plain", ratio=True)
     result.targets.append(
@@ -379,6 +395,42 @@ def _report(
         "every c10d op (FSDP2's all-gathers and reduce-scatters are dispatcher ops); every rank "
         "issues the same ones. The unsharded rows run the same model, autocast and optimizer "
         "without FSDP on each rank."
+    )
+
+
+def _master_targets(
+    result: BenchResult, data: Mapping[str, Any], ag: Mapping[str, int], rs: Mapping[str, int]
+) -> None:
+    """Issue 38's targets: keeping by the policy over FP32 masters is no slower than plain FSDP2
+    over the same masters, and adds no collective; or a note where the torch cannot."""
+    if "policy-master" not in data["arms"]:
+        result.notes.append(
+            "The FP32-master arms (plain, kept units, the policy's override) need torch >= 2.15 "
+            "(param_dtype_override_fn): not run on this torch; nox -s keep-policy has one."
+        )
+        return
+    ratio = _paired(data, "policy-master", "plain-master", ratio=True)
+    result.targets.append(
+        Target(
+            "time: (m-policy) vs (m) plain over masters", f"{ratio:.3f}x", ratio <= 1.05, "<= 1.05x"
+        )
+    )
+    policy = ag["policy-master"] + rs["policy-master"]
+    plain = ag["plain-master"] + rs["plain-master"]
+    units = ag["units-master"] + rs["units-master"]
+    result.targets.append(
+        Target(
+            "collectives per step: (m-policy) as many as (m) plain",
+            f"{policy} vs {plain} (kept units: {units})",
+            policy == plain,
+            "equal",
+        )
+    )
+    units_gap = _paired(data, "units-master", "plain-master", ratio=False) * 1e3
+    policy_gap = _paired(data, "policy-master", "plain-master", ratio=False) * 1e3
+    result.notes.append(
+        f"Over FP32 masters, (m-units) - (m) = {units_gap:.1f} ms per step and (m-policy) - (m) "
+        f"= {policy_gap:.1f} ms (medians of per-round differences)."
     )
 
 

@@ -279,13 +279,26 @@ def _policy_layout(
         matches={},
     )
     try:
-        return plan_layout(
+        layout = plan_layout(
             model, nothing, wrap=wrap, replicate_frozen=_SUPPORTS_IGNORED_PARAMS, observed=observed
         )
     except KeepLayoutError:
         if refuse:
             raise
         return None
+    # A unit of the caller's whose parameters are all kept (a kept wrap target) gets the kept
+    # policy, as in the kept units' layout: the caller's input and output casts at its boundary
+    # would change what a kept module receives and returns.
+    owned: dict[str, set[str]] = {}
+    for name, label in layout.owner.items():
+        owned.setdefault(label, set()).add(name)
+    units = tuple(
+        dataclasses.replace(unit, kind="kept")
+        if owned.get(unit.label) and owned[unit.label] <= plan.param_names
+        else unit
+        for unit in layout.units
+    )
+    return dataclasses.replace(layout, units=units)
 
 
 def _shard(

@@ -178,3 +178,18 @@ def test_before_torch_2_15_the_policy_is_refused_naming_the_version(mesh: Device
     layout = fp32keep.sharded_layout(built)
     assert layout is not None and layout.keeps == "units"
     assert f"torch {torch.__version__} has no" in layout.why
+
+
+@NEEDS_OVERRIDE
+def test_a_kept_unit_of_the_callers_keeps_its_boundary(mesh: DeviceMesh) -> None:
+    # every Linear its own unit: T5's kept `wo` is then a unit of the caller's whose parameters
+    # are all kept; under a policy that casts inputs its FP32 input must not be cast to fp16
+    by_policy = functools.partial(fp32keep.apply_fsdp2, keep_by="policy")
+    report = _contract(
+        mesh,
+        "t5",
+        mp_policy=policy(FP16, cast_forward_inputs=True),
+        shard=by_policy,
+        wrap=["T5Block", "Linear"],
+    )
+    assert report.ok
