@@ -111,9 +111,19 @@ def _report_path(option: str, suffix: str, other: str) -> Any:
     return parse
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors are the one line that says what is wrong (and where the
+    options are listed), not the whole usage block before it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n({self.prog} --help lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``fp32keep`` command line."""
-    parser = argparse.ArgumentParser(prog="fp32keep", description=__doc__.split("\n\n")[0])
+    """The ``fp32keep`` command line (its subcommands' parsers are :class:`_Parser`s too)."""
+    # The module docstring's first paragraph, without its reStructuredText literal marks.
+    description = __doc__.split("\n\n")[0].replace("``", "")
+    parser = _Parser(prog="fp32keep", description=description)
     parser.add_argument(
         "--version",
         action="version",
