@@ -5,9 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fp32keep.errors import hidden_in_tracebacks
 from fp32keep.plan import KeepPlan, resolve_keep_plan
 from fp32keep.plan_use import check_plan_fits, check_plan_for_cast
 from fp32keep.tensors import check_float_dtype, is_castable_float, iter_owned, join
+
+#: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
+__tracebackhide__ = hidden_in_tracebacks
 
 
 @torch.no_grad()

@@ -35,8 +35,11 @@ from typing import Literal
 import torch
 from packaging.version import Version
 
-from fp32keep.errors import KeepDeclarationError
+from fp32keep.errors import KeepDeclarationError, hidden_in_tracebacks
 from fp32keep.reprs import dataclass_repr
+
+#: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
+__tracebackhide__ = hidden_in_tracebacks
 
 Group = Literal["A", "B", "C"]
 ListKind = Literal["regular", "strict"]

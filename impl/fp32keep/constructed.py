@@ -44,7 +44,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from fp32keep.errors import hidden_in_tracebacks
 from fp32keep.tensors import TensorSlot, is_castable_float, tensor_slots
+
+#: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
+__tracebackhide__ = hidden_in_tracebacks
 
 #: How many (class, config, dtype) observations are remembered.
 CACHE_SIZE = 64

@@ -6,6 +6,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from fp32keep.errors import hidden_in_tracebacks
+
+#: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
+__tracebackhide__ = hidden_in_tracebacks
+
 
 def collective_device(mesh: DeviceMesh | None = None) -> torch.device:
     """The device ``mesh``'s collectives run on; without a mesh, the default process group's.

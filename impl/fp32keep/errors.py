@@ -9,6 +9,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+
+def hidden_in_tracebacks(excinfo: Any) -> bool:
+    """Whether pytest hides a frame of fp32keep from a failing test's traceback: when the error
+    is one fp32keep raises on purpose (an :class:`Fp32KeepError`, whose message says what is
+    wrong and what to do), not when it is a bug of the library.
+
+    Every fp32keep module sets it as its ``__tracebackhide__`` (pytest reads that name from a
+    frame's globals and calls it with the exception), so a refused layout shows the test's own
+    line and the message, not ``apply_fsdp2``'s and ``plan_layout``'s docstrings and source.
+    """
+    return isinstance(getattr(excinfo, "value", None), Fp32KeepError)
 
 
 class Fp32KeepError(Exception):

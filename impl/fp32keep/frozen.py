@@ -12,6 +12,11 @@ from collections.abc import Hashable, ItemsView, Iterable, Iterator, KeysView, M
 from dataclasses import FrozenInstanceError
 from typing import Any, Generic, NoReturn, TypeVar
 
+from fp32keep.errors import hidden_in_tracebacks
+
+#: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
+__tracebackhide__ = hidden_in_tracebacks
+
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V", bound=Hashable)
 

@@ -22,7 +22,10 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from fp32keep.errors import Fp32KeepRuntimeError
+from fp32keep.errors import Fp32KeepRuntimeError, hidden_in_tracebacks
+
+#: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
+__tracebackhide__ = hidden_in_tracebacks
 
 __all__ = [
     "PRIVATE_READS",

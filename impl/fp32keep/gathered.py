@@ -33,9 +33,12 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from fp32keep import fsdp_hooks
-from fp32keep.errors import Fp32KeepTypeError
+from fp32keep.errors import Fp32KeepTypeError, hidden_in_tracebacks
 from fp32keep.observe import ParameterUse, UnitMembers
 from fp32keep.reads import called_methods
+
+#: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
+__tracebackhide__ = hidden_in_tracebacks
 
 
 def methods_to_gather(

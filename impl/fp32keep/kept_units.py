@@ -20,9 +20,13 @@ from typing import TypeAlias
 
 from torch import nn
 
+from fp32keep.errors import hidden_in_tracebacks
 from fp32keep.plan import KeepPlan
 from fp32keep.reads import DirectRead
 from fp32keep.tensors import dtype_name, is_castable_float, iter_owned, join
+
+#: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
+__tracebackhide__ = hidden_in_tracebacks
 
 ReadFinder: TypeAlias = Callable[[nn.Module, str], DirectRead | None]
 """``(model, module_fqn) -> DirectRead | None``: who reads a module's tensors without calling it."""

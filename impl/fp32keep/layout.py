@@ -24,7 +24,7 @@ from typing import Literal, TypeAlias
 import torch
 from torch import nn
 
-from fp32keep.errors import Fp32KeepValueError, KeepLayoutError, LayoutProblem
+from fp32keep.errors import Fp32KeepValueError, KeepLayoutError, LayoutProblem, hidden_in_tracebacks
 from fp32keep.frozen import FrozenMapping
 from fp32keep.gathered import methods_to_gather
 from fp32keep.kept_units import ReadFinder, float_param_names, kept_modules
@@ -44,6 +44,9 @@ from fp32keep.tied_units import TieGroup, sharding_order, tie_groups
 from fp32keep.unit_reach import outside_uses
 from fp32keep.wrap_targets import WrapSpec as WrapSpec  # re-exported: its home before the split
 from fp32keep.wrap_targets import wrap_predicate
+
+#: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
+__tracebackhide__ = hidden_in_tracebacks
 
 UnitKind = Literal["kept", "standard", "root"]
 KeptGrouping: TypeAlias = bool | Literal["block", "model"]

@@ -12,10 +12,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fp32keep.errors import LayoutProblem
+from fp32keep.errors import LayoutProblem, hidden_in_tracebacks
 from fp32keep.observe import Stack, format_stack
 from fp32keep.reads import DirectRead
 from fp32keep.tensors import dtype_name
+
+#: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
+__tracebackhide__ = hidden_in_tracebacks
 
 _KEPT = dtype_name(torch.float32)
 

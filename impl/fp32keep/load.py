@@ -37,6 +37,7 @@ from fp32keep.errors import (
     Fp32KeepTypeError,
     Fp32KeepValueError,
     StateDictError,
+    hidden_in_tracebacks,
 )
 from fp32keep.load_meta import Fresh, allocate
 from fp32keep.load_move import Target, collect_targets, cut_evenly, move, scatters_directly
@@ -50,6 +51,9 @@ from fp32keep.load_validate import (
     validate,
     verdict_error,
 )
+
+#: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
+__tracebackhide__ = hidden_in_tracebacks
 
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
 DIRECT_BYTES = 1024 * 1024

@@ -28,8 +28,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fp32keep.errors import Fp32KeepNotImplementedError
+from fp32keep.errors import Fp32KeepNotImplementedError, hidden_in_tracebacks
 from fp32keep.tensors import tensor_slots
+
+#: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
+__tracebackhide__ = hidden_in_tracebacks
 
 _ALIGN = 16  # every segment starts 16-byte aligned so a byte view can be viewed as any dtype
 

@@ -18,9 +18,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fp32keep.errors import Fp32KeepError, Fp32KeepTypeError, Fp32KeepValueError, StateDictError
+from fp32keep.errors import (
+    Fp32KeepError,
+    Fp32KeepTypeError,
+    Fp32KeepValueError,
+    StateDictError,
+    hidden_in_tracebacks,
+)
 from fp32keep.load_move import Box, Target
 from fp32keep.tensors import dtype_name
+
+#: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
+__tracebackhide__ = hidden_in_tracebacks
 
 #: The argument names whose values every rank must pass alike, in the order reports carry them.
 AGREED_ARGUMENTS = ("src_rank", "strict", "cpu_offload", "bucket_bytes", "direct_bytes")

@@ -38,8 +38,11 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fp32keep.errors import Fp32KeepTypeError, Fp32KeepValueError
+from fp32keep.errors import Fp32KeepTypeError, Fp32KeepValueError, hidden_in_tracebacks
 from fp32keep.reads import DirectRead
+
+#: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
+__tracebackhide__ = hidden_in_tracebacks
 
 #: The method name of a call through ``nn.Module.__call__``: FSDP2's forward hooks run there.
 CALL = "__call__"

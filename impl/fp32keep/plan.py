@@ -22,7 +22,7 @@ from fp32keep.compat import (
     semantics_for,
 )
 from fp32keep.constructed import Construction, constructed_fp32, constructed_matches
-from fp32keep.errors import KeepDeclarationError
+from fp32keep.errors import KeepDeclarationError, hidden_in_tracebacks
 from fp32keep.frozen import FrozenMapping
 from fp32keep.reprs import dataclass_repr
 from fp32keep.tensors import (
@@ -33,6 +33,9 @@ from fp32keep.tensors import (
     join,
     tensor_slots,
 )
+
+#: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
+__tracebackhide__ = hidden_in_tracebacks
 
 #: Why a tensor is kept: a declaration list, or the model code building it in FP32.
 MatchKind = Literal["regular", "strict", "constructed"]

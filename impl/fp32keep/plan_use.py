@@ -13,9 +13,12 @@ import torch
 from torch import nn
 
 from fp32keep.compat import LOW_PRECISION_DTYPES
-from fp32keep.errors import KeepPlanError
+from fp32keep.errors import KeepPlanError, hidden_in_tracebacks
 from fp32keep.plan import KeepPlan
 from fp32keep.tensors import dtype_name, tensor_slots
+
+#: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
+__tracebackhide__ = hidden_in_tracebacks
 
 
 def check_plan_fits(model: nn.Module, plan: KeepPlan) -> None:

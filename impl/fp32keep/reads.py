@@ -53,8 +53,12 @@ from typing import Any
 
 from torch import nn
 
+from fp32keep.errors import hidden_in_tracebacks
 from fp32keep.source_use import METADATA_ATTRIBUTES, model_classes, model_methods, source_of
 from fp32keep.source_use import method_uses_parameters as _method_uses_parameters
+
+#: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
+__tracebackhide__ = hidden_in_tracebacks
 
 # Reads that work on a sharded DTensor as on a plain tensor: they never need the all-gather.
 _METADATA = rf"(?!\s*\.\s*(?:{'|'.join(sorted(METADATA_ATTRIBUTES))})\b)"

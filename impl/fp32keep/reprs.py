@@ -12,6 +12,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from fp32keep.errors import hidden_in_tracebacks
+
+#: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
+__tracebackhide__ = hidden_in_tracebacks
+
 
 def stable_repr(value: object) -> str:
     """``repr(value)``, with the elements of a set or frozenset in sorted order."""

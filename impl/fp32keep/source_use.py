@@ -23,6 +23,11 @@ from typing import Any
 
 from torch import nn
 
+from fp32keep.errors import hidden_in_tracebacks
+
+#: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
+__tracebackhide__ = hidden_in_tracebacks
+
 #: Tensor attributes and methods that read metadata, which a sharded DTensor answers as the full
 #: tensor would: using them never needs the all-gather.
 METADATA_ATTRIBUTES = frozenset(

@@ -9,7 +9,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fp32keep.errors import Fp32KeepTypeError, Fp32KeepValueError
+from fp32keep.errors import Fp32KeepTypeError, Fp32KeepValueError, hidden_in_tracebacks
+
+#: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
+__tracebackhide__ = hidden_in_tracebacks
 
 # Packed low-bit floats hold quantized weights: casting them would destroy the values, and
 # Transformers leaves float8_e4m3fn alone when it casts a checkpoint. They are never kept or cast.

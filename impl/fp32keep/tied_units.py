@@ -30,9 +30,13 @@ from typing import Literal, Protocol, TypeVar
 
 from torch import nn
 
+from fp32keep.errors import hidden_in_tracebacks
 from fp32keep.kept_units import has_own_forward
 from fp32keep.plan import KeepPlan
 from fp32keep.tensors import iter_owned
+
+#: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
+__tracebackhide__ = hidden_in_tracebacks
 
 TieGroup = tuple[Literal["kept", "standard"], tuple[str, ...]]
 """A unit to add: its kind and the modules (first name of each) one ``fully_shard`` holds."""

@@ -38,6 +38,10 @@ from fp32keep.tensors import dtype_name
 
 if TYPE_CHECKING:  # pragma: no cover - typing only: layout imports this module
     from fp32keep.layout import Unit
+from fp32keep.errors import hidden_in_tracebacks
+
+#: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
+__tracebackhide__ = hidden_in_tracebacks
 
 
 def _inside(fqn: str, modules: Collection[str]) -> bool:

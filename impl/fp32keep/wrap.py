@@ -22,6 +22,7 @@ from fp32keep.errors import (
     Fp32KeepTypeError,
     Fp32KeepValueError,
     KeepLayoutError,
+    hidden_in_tracebacks,
 )
 from fp32keep.gathered import register_gathered_methods
 from fp32keep.keep_policy import KeepBy, choose_keeping, keep_policy
@@ -31,6 +32,9 @@ from fp32keep.plan import KeepPlan, resolve_keep_plan
 from fp32keep.plan_use import check_plan_fits, check_plan_for_policy, storage_dtype
 from fp32keep.tensors import check_float_dtype, dtype_name, is_castable_float
 from fp32keep.wrap_targets import WrapSpec
+
+#: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
+__tracebackhide__ = hidden_in_tracebacks
 
 # fully_shard(ignored_params=...) arrived after torch 2.6; without it a frozen kept parameter
 # that no unit can isolate is refused like a trainable one.

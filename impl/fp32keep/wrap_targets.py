@@ -8,7 +8,10 @@ from typing import TypeAlias
 
 from torch import nn
 
-from fp32keep.errors import Fp32KeepTypeError, Fp32KeepValueError
+from fp32keep.errors import Fp32KeepTypeError, Fp32KeepValueError, hidden_in_tracebacks
+
+#: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
+__tracebackhide__ = hidden_in_tracebacks
 
 WrapTarget: TypeAlias = type[nn.Module] | str
 WrapSpec: TypeAlias = Iterable[WrapTarget] | Callable[[nn.Module], bool]

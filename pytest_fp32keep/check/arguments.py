@@ -12,7 +12,7 @@ import tempfile
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pytest_fp32keep.check.in_place import LAUNCHERS
 
@@ -89,9 +89,21 @@ def _report_path(option: str, suffix: str, other: str) -> Any:
     return parse
 
 
+DESCRIPTION = "fp32keep check: run the FP32-keep contract on the zoo or on your models, in N ranks."
+"""What ``fp32keep --help`` says the command does (plain text: argparse prints it as is)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors are the one line that says what is wrong (and where the
+    options are listed), not the whole usage block before it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n({self.prog} --help lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``fp32keep`` command line."""
-    parser = argparse.ArgumentParser(prog="fp32keep", description=__doc__.split("\n\n")[0])
+    """The ``fp32keep`` command line (its subcommands' parsers are :class:`_Parser` s too)."""
+    parser = _Parser(prog="fp32keep", description=DESCRIPTION)
     parser.add_argument(
         "--version",
         action="version",

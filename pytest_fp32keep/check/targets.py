@@ -152,7 +152,11 @@ def zoo_targets(names: list[str] | None = None) -> tuple[list[Target], Mapping[s
 
     unknown = [name for name in names or [] if name not in ZOO]
     if unknown:
-        raise TargetError(f"unknown zoo entries {unknown}; the zoo has {sorted(ZOO)}")
+        raise TargetError(
+            f"unknown zoo entries {unknown}; the zoo has {sorted(ZOO)}. A model of your own is "
+            "named package.module:factory, with a colon before the zero-argument function that "
+            "builds it (e.g. my_models:build_model)"
+        )
     availability = available_entries(names)
     targets = [
         Target(

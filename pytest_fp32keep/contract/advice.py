@@ -3,9 +3,12 @@
 Pure text functions used by :class:`~pytest_fp32keep.contract.report.ContractViolation`'s
 message: :func:`differing_part` shows where a long expected/observed pair starts to differ (the
 common prefix elided with ``"…"``, the first differing element marked ``»like this«``),
-:func:`follow_from` folds the parity rows that an earlier failure explains into one line, and
+:func:`follow_from` folds the parity rows that an earlier failure explains into one line,
+:func:`follow_from_operators` likewise the ``operators`` rows of kept modules whose tensors were
+stored or gathered low or whose inputs were cast (:func:`explains_operators`), and
 :func:`what_to_do` gives one line per failing check kind with the likely cause and the fix in
-this project's terms. Nothing here judges anything; the checks do.
+this project's terms (for a crash, what its error says: :func:`crash_advice`). Nothing here
+judges anything; the checks do.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ MESSAGE_WIDTH: Final = 88
 #: The failing checks that explain failing parity rows: a tensor stored, gathered or fed in the
 #: wrong dtype changes the logits, the loss and the gradients after it.
 PARITY_CAUSES: Final = ("stored", "materialized", "boundary", "operators")
+#: The failing checks that explain failing ``operators`` rows of the same kept module: its
+#: weights stored or gathered low, or its inputs cast, change every operator inside it.
+OPERATOR_CAUSES: Final = ("stored", "materialized", "boundary")
 #: The marks around the first differing element of a long pair.
 MARK_OPEN: Final = "»"
 MARK_CLOSE: Final = "«"
@@ -62,11 +68,42 @@ WHAT_TO_DO: Final[dict[str, str]] = {
     "at the dtype the declaration is for, declare _keep_in_fp32_modules_strict, or lower "
     "expect_kept",
     "crashed": "a step of the implementation under test raised (the subject names it: cast, "
-    "shard, load, forward, backward or batch); its error is in the observed cell. A "
-    "KeepLayoutError from shard is a layout FSDP2 cannot keep: see docs/errors.md, rows L1-L6. "
-    "Subject reference: the unsharded model itself failed (or computed NaN) before anything of "
-    "the implementation ran; fix the model, its weights or the batch at this dtype",
+    "shard, load, forward, backward or batch); its error is in the observed cell",
 }
+
+
+#: What a ``crashed`` row adds to the kind's line, by what its observed cell (``TYPE: message``)
+#: or its subject says, in this order: a crash says which of these it is, not all of them.
+CRASH_ADVICE: Final[tuple[tuple[str, str], ...]] = (
+    (
+        "uniform original parameter dtype",
+        "'FSDP expects uniform original parameter dtype' means one FSDP2 unit mixes FP32 kept "
+        "parameters with low-precision ones: shard with fp32keep.apply_fsdp2 (kept modules get "
+        "units of their own), or store every trainable parameter as an FP32 master "
+        "(fp32keep.upcast_to_fp32_master; on torch >= 2.15 with a MixedPrecisionPolicy "
+        "param_dtype_override_fn over those FP32 masters)",
+    ),
+    (
+        "KeepLayoutError",
+        "a KeepLayoutError from shard is a layout FSDP2 cannot keep: see docs/errors.md, rows "
+        "L1-L6",
+    ),
+)
+#: The ``crashed`` line for the unsharded reference (subject ``reference``): nothing of the
+#: implementation ran, so the implementation's advice does not apply.
+CRASHED_REFERENCE: Final = (
+    "the unsharded reference itself failed (or computed NaN) before anything of the "
+    "implementation ran; fix the model, its weights or the batch at this dtype"
+)
+
+
+def crash_advice(subject: str, observed: str) -> str:
+    """The ``crashed`` line for one crashed row: the reference's own, else the kind's line with
+    what the crash's error says added (:data:`CRASH_ADVICE`)."""
+    if subject == "reference":
+        return CRASHED_REFERENCE
+    extra = [advice for phrase, advice in CRASH_ADVICE if phrase in observed]
+    return "; ".join([WHAT_TO_DO["crashed"], *extra[:1]])
 
 
 def differing_part(expected: str, observed: str) -> tuple[str, str]:
@@ -125,23 +162,68 @@ def follow_from(
     grads = sum(1 for subject in parity_subjects if subject.startswith("grad "))
     outputs = [subject for subject in parity_subjects if not subject.startswith("grad ")]
     parts = [*outputs, *([f"{grads} gradient{'s' if grads != 1 else ''}"] if grads else [])]
-    rows = len(parity_subjects)
+    return _folded("parity", len(parity_subjects), cause, ", ".join(parts), width)
+
+
+def operator_module(subject: str) -> str:
+    """The kept module an ``operators`` or ``boundary`` row is about (its subject up to
+    ``" call "``: ``"layers.0.wo call 0 op #1 aten.mm.default"`` is ``layers.0.wo``'s)."""
+    return subject.split(" call ", 1)[0]
+
+
+def explains_operators(check: str, subject: str, module: str) -> bool:
+    """Whether a failing ``check`` row about ``subject`` explains a failing ``operators`` row of
+    ``module``: a tensor of that module stored or gathered low, or its activations cast."""
+    if check in ("stored", "materialized"):
+        return subject.split(" (", 1)[0].startswith(f"{module}.")
+    if check == "boundary":
+        boundary = operator_module(subject)
+        return boundary == module or f"{boundary}.".startswith(f"{module}.")
+    return False
+
+
+def follow_from_operators(
+    cause: str, operator_subjects: Sequence[str], width: int = MESSAGE_WIDTH
+) -> list[str]:
+    """One wrapped entry saying that ``operator_subjects`` fail because ``cause`` failed for
+    the same kept modules, and where every row is."""
+    modules = list(dict.fromkeys(operator_module(subject) for subject in operator_subjects))
+    count = len(modules)
+    named = ", ".join(modules[:2]) + (f", {count - 2} more" if count > 2 else "")
+    where = f"{count} kept module{'s' if count != 1 else ''}: {named}"
+    return _folded("operators", len(operator_subjects), cause, where, width)
+
+
+def _folded(check: str, rows: int, cause: str, what: str, width: int) -> list[str]:
     text = (
-        f"{rows} parity row{'s' if rows != 1 else ''} follow{'' if rows != 1 else 's'} from the "
-        f"{cause} failure above ({', '.join(parts)}): fix it first; violation.report.failures "
+        f"{rows} {check} row{'s' if rows != 1 else ''} follow{'' if rows != 1 else 's'} from the "
+        f"{cause} failure above ({what}): fix it first; violation.report.failures "
         "(or report.to_json()) holds every row"
     )
     return textwrap.wrap(text, width, subsequent_indent="  ", break_on_hyphens=False)
 
 
-def what_to_do(kinds: Iterable[str], width: int = MESSAGE_WIDTH) -> list[str]:
+def what_to_do(
+    kinds: Iterable[str],
+    width: int = MESSAGE_WIDTH,
+    crashes: Sequence[tuple[str, str]] = (),
+) -> list[str]:
     """``"what to do:"`` then one ``"  KIND: cause; fix"`` entry per failing kind, in order,
-    each wrapped at ``width`` columns (its continuation lines indented by four spaces)."""
+    each wrapped at ``width`` columns (its continuation lines indented by four spaces).
+
+    ``crashes`` (each crashed row's subject and observed cell) makes the ``crashed`` entry
+    specific: one entry per distinct :func:`crash_advice`, e.g. the reference's own line only
+    where the reference crashed."""
     lines: list[str] = []
     for kind in kinds:
-        if kind in WHAT_TO_DO:
+        if kind not in WHAT_TO_DO:
+            continue
+        texts = [WHAT_TO_DO[kind]]
+        if kind == "crashed" and crashes:
+            texts = list(dict.fromkeys(crash_advice(*crash) for crash in crashes))
+        for text in texts:
             lines += textwrap.wrap(
-                f"{kind}: {WHAT_TO_DO[kind]}",
+                f"{kind}: {text}",
                 width,
                 initial_indent="  ",
                 subsequent_indent="    ",

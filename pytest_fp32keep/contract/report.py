@@ -19,9 +19,13 @@ import torch
 
 from pytest_fp32keep.contract.advice import (
     MESSAGE_WIDTH,
+    OPERATOR_CAUSES,
     PARITY_CAUSES,
     differing_part,
+    explains_operators,
     follow_from,
+    follow_from_operators,
+    operator_module,
     what_to_do,
 )
 from pytest_fp32keep.contract.probe import dtype_name
@@ -284,6 +288,19 @@ def _order(kind: str) -> int:
     return CHECKS.index(kind) if kind in CHECKS else len(CHECKS)
 
 
+def _explained_operators(failures: Sequence[Finding]) -> list[Finding]:
+    """The failing ``operators`` rows that a failing ``stored``, ``materialized`` or
+    ``boundary`` row of the same kept module explains
+    (:func:`~pytest_fp32keep.contract.advice.explains_operators`)."""
+    causes = [f for f in failures if f.check in OPERATOR_CAUSES]
+    return [
+        f
+        for f in failures
+        if f.check == "operators"
+        and any(explains_operators(c.check, c.subject, operator_module(f.subject)) for c in causes)
+    ]
+
+
 class ContractViolation(AssertionError):
     """The FP32-keep contract does not hold; ``report`` holds every finding.
 
@@ -291,10 +308,13 @@ class ContractViolation(AssertionError):
     ``FP32-keep contract broken for MODEL at DTYPE (CONTEXT): KINDS`` (every failing kind, in
     the order of :data:`CHECKS`; wrapped, continuation lines indented); one table of the
     failing findings in that order, so that the cause leads (check, subject, expected,
-    observed; long pairs show where they differ; long cells wrap); the parity rows an earlier
-    failure explains folded into one line
-    (:func:`~pytest_fp32keep.contract.advice.follow_from`; every row stays in
-    ``report.failures``); then ``what to do:`` with one line per failing kind.
+    observed; long pairs show where they differ; long cells wrap); the ``operators`` rows a
+    ``stored``, ``materialized`` or ``boundary`` failure of the same kept module explains, and
+    the parity rows an earlier failure explains, each folded into one line
+    (:func:`~pytest_fp32keep.contract.advice.follow_from_operators`,
+    :func:`~pytest_fp32keep.contract.advice.follow_from`; every row stays in
+    ``report.failures``); then ``what to do:`` with one line per failing kind (a ``crashed``
+    line per distinct cause: :func:`~pytest_fp32keep.contract.advice.crash_advice`).
     """
 
     def __init__(self, report: ContractReport) -> None:
@@ -302,8 +322,16 @@ class ContractViolation(AssertionError):
         failures = sorted(report.failures, key=lambda f: _order(f.check))  # stable: cause first
         failed = sorted({f.check for f in failures}, key=lambda kind: (_order(kind), kind))
         causes = [kind for kind in failed if kind in PARITY_CAUSES]
-        shown = [f for f in failures if not (causes and f.check == "parity")]
+        explained = _explained_operators(failures)
+        shown = [
+            f
+            for f in failures
+            if not (causes and f.check == "parity") and not any(f is g for g in explained)
+        ]
         folded = [f.subject for f in failures if causes and f.check == "parity"]
+        operator_cause = next((kind for kind in failed if kind in OPERATOR_CAUSES), "")
+        operators = [f.subject for f in explained]
+        crashes = [(f.subject, f.observed) for f in failures if f.check == "crashed"]
         # pytest prints the first line after "pytest_fp32keep.ContractViolation: ".
         before = " " * len(f"{type(self).__module__}.{type(self).__qualname__}: ")
         headline = textwrap.wrap(
@@ -318,8 +346,9 @@ class ContractViolation(AssertionError):
             headline[0].removeprefix(before),
             *headline[1:],
             report.table(highlight=True, findings=shown, width=MESSAGE_WIDTH),
+            *(follow_from_operators(operator_cause, operators) if operators else []),
             *(follow_from(causes[0], folded) if folded else []),
-            *what_to_do(failed),
+            *what_to_do(failed, crashes=crashes),
         ]
         super().__init__("\n".join(lines))
 

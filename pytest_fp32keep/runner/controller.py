@@ -39,7 +39,7 @@ import pytest
 from _pytest.skipping import evaluate_skip_marks, evaluate_xfail_marks
 
 from pytest_fp32keep.runner import options, predispatch, reports
-from pytest_fp32keep.runner.devices import count_cuda_devices
+from pytest_fp32keep.runner.devices import count_cuda_devices, nccl_shortfall
 from pytest_fp32keep.runner.flight import Flight
 from pytest_fp32keep.runner.launcher import LaunchError, LaunchSpec, RankGroup, shutdown_all
 from pytest_fp32keep.runner.rank_warnings import relay_warnings
@@ -326,14 +326,7 @@ class Fsdp2Controller:
         if devices >= settings.nproc:
             return Placement(settings, GroupKey(settings.nproc, "nccl"))
         if settings.backend == "nccl":
-            return Placement(
-                settings,
-                skip=(
-                    f"fsdp2: backend nccl needs {settings.nproc} CUDA devices (one per rank), "
-                    f"{devices} visible here; run with --fsdp-backend=gloo (or auto), or ask "
-                    f"for at most {devices} ranks"
-                ),
-            )
+            return Placement(settings, skip=nccl_shortfall(settings.nproc, devices))
         return Placement(settings, GroupKey(settings.nproc, "gloo"))
 
     def _plan(self) -> None:

@@ -73,3 +73,18 @@ def count_cuda_devices() -> int:
         return max(0, int(lines[-1])) if completed.returncode == 0 and lines else 0
     except ValueError:
         return 0
+
+
+def nccl_shortfall(nproc: int, devices: int) -> str:
+    """Why a test that needs ``nproc`` ranks on nccl is skipped with ``devices`` GPUs visible,
+    and what to do: run on gloo, or, where some GPUs are visible, with fewer ranks (never "at
+    most 0 ranks": a test cannot run in none)."""
+    fewer = (
+        f", or ask for at most {devices} rank{'s' if devices != 1 else ''}"
+        if devices > 0
+        else f", or run on a machine with {nproc} GPUs"
+    )
+    return (
+        f"fsdp2: backend nccl needs {nproc} CUDA devices (one per rank), {devices} visible "
+        f"here; run with --fsdp-backend=gloo (or auto){fewer}"
+    )

@@ -38,6 +38,7 @@ from pytest_fp32keep.runner.tracebacks import (
     hide_library_frames,
     mask_rank_values,
     merge_key,
+    wrap_error_lines,
 )
 
 Phase = Literal["setup", "call", "teardown"]
@@ -328,7 +329,9 @@ def _failure(
 
     entries: list[_Entry] = []
     for member in failing:
-        longrepr = hide_library_frames(member.report.longrepr) if member.report else None
+        longrepr = (
+            wrap_error_lines(hide_library_frames(member.report.longrepr)) if member.report else None
+        )
         text = _fault_text(member.fault) if member.fault is not None else ""
         entry = _Entry([member.rank], longrepr, text, root=member is root)
         same = next((e for e in entries if e.key() == entry.key()), None)

@@ -18,6 +18,9 @@ merges the ranks' failures of one test:
 - :func:`mask_rank_values` replaces the values of the runner's per-rank fixtures (``fsdp2_rank``,
   ``fsdp2_device``) where pytest prints a test's arguments (and its locals, under ``-l``): they
   differ on every rank by design, so without it a test that takes ``fsdp2_rank`` never merges.
+- :func:`wrap_error_lines` wraps the ``E`` lines of an exception's message that are wider than
+  :data:`ERROR_WIDTH` (a library's error listing one problem per line, each hundreds of columns
+  long), continuation lines indented under their line's text; nothing is cut.
 - :func:`condense_stacks` shortens faulthandler's dump of a stopped rank to the test's frames:
   the rank session's own threads dropped, each stack cut where pytest's machinery begins.
 """
@@ -28,6 +31,7 @@ import dataclasses
 import os
 import re
 import tempfile
+import textwrap
 from pathlib import Path
 from typing import Any, Final
 
@@ -120,6 +124,54 @@ def _map_tracebacks(longrepr: Any, change: Any) -> Any:
     if isinstance(longrepr, ReprExceptionInfo):
         return dataclasses.replace(longrepr, reprtraceback=change(longrepr.reprtraceback))
     return longrepr
+
+
+#: The widest an ``E`` line of a rank's failure is printed (a terminal's 100 columns).
+ERROR_WIDTH: Final = 100
+#: An ``E`` line: the marker, its indentation, the text.
+_ERROR_LINE: Final = re.compile(r"^(E\s+)(\s*)(.*)$")
+
+
+def _wrapped_error_line(line: str, width: int) -> list[str]:
+    match = _ERROR_LINE.match(line)
+    if len(line) <= width or match is None:
+        return [line]
+    marker, indent, text = match.groups()
+    # Continuations sit 4 columns in from the line's own text; spaces in the text are kept
+    # where no break falls (aligned columns of a listing stay aligned on the first line).
+    wrapped = textwrap.wrap(
+        text,
+        width - len(marker),
+        initial_indent=indent,
+        subsequent_indent=indent + "    ",
+        break_on_hyphens=False,
+        break_long_words=False,
+        drop_whitespace=True,
+    )
+    return [marker + piece for piece in wrapped] if wrapped else [line]
+
+
+def _wrap_entry(entry: Any, width: int) -> Any:
+    if not isinstance(entry, ReprEntry) or not any(len(line) > width for line in entry.lines):
+        return entry
+    lines = [
+        piece
+        for line in entry.lines
+        for piece in (_wrapped_error_line(line, width) if line.startswith("E") else [line])
+    ]
+    return dataclasses.replace(entry, lines=lines)
+
+
+def wrap_error_lines(longrepr: Any, width: int = ERROR_WIDTH) -> Any:
+    """``longrepr`` with each ``E`` line wider than ``width`` wrapped at spaces (a new object;
+    the input is left as it is): its continuation lines start with ``E``, the line's
+    indentation and four more spaces. A word longer than the room is left whole."""
+
+    def wrap(traceback: ReprTraceback) -> ReprTraceback:
+        entries = [_wrap_entry(entry, width) for entry in traceback.reprentries]
+        return dataclasses.replace(traceback, reprentries=entries)
+
+    return _map_tracebacks(longrepr, wrap)
 
 
 def _mask_entry(entry: Any, shown: str) -> Any:

@@ -276,3 +276,20 @@ def test_wrong_implementation_fails_with_the_right_message(
     message = text[text.index("FP32-keep contract broken") :]
     widest = max(len(line) for line in message.splitlines())
     assert widest <= 100, f"{widest} columns:\n{message}"
+
+
+def test_a_blanket_cast_folds_the_operators_rows_its_stored_failure_explains(
+    outcomes: dict[str, InnerOutcome],
+) -> None:
+    """Issue 36: one blanket cast printed 103 lines, every operator of every kept module a row
+    of its own; they follow from the kept weights stored in bf16, and fold into one line."""
+    text = outcomes["test_blanket_cast_before_wrapping"].text
+    message = text[text.rindex("FP32-keep contract broken") :]  # the full text, not the summary
+    assert not re.search(r"^E?\s*operators\s+layers\.", message, flags=re.M), message
+    joined = " ".join(message.split())
+    assert re.search(r"\d+ operators rows follow from the stored failure above \(4 kept", joined)
+    assert len(message.splitlines()) <= 50, message
+    # negative control: a wrong fix that stores and gathers right keeps its rows: the parity-only
+    # controls show every failing row of theirs
+    nudged = outcomes["test_kept_output_nudged"].text
+    assert "follow from" not in nudged

@@ -67,8 +67,9 @@ def test_long_pairs_show_where_they_differ_and_short_ones_are_left_alone() -> No
 def test_violation_is_one_table_then_what_to_do_per_failing_kind() -> None:
     long_want = "inputs (float32, float32) -> float32"
     long_got = "inputs (bfloat16, bfloat16) -> bfloat16"
+    # the gathered tensor is another module's: its failure does not explain the operators row
     text = _violation(
-        Finding("materialized", "layers.0.wo.weight (call 0)", "float32", "bfloat16", False),
+        Finding("materialized", "layers.1.wo.weight (call 0)", "float32", "bfloat16", False),
         Finding(
             "operators", "layers.0.wo call 0 op #1 aten.mm.default", long_want, long_got, False
         ),
@@ -85,8 +86,9 @@ def test_violation_is_one_table_then_what_to_do_per_failing_kind() -> None:
     assert lines[1].startswith("  ")  # a continuation
     assert re.match(r"check\s+subject\s+expected\s+observed$", lines[2])
     assert re.search(
-        r"materialized\s+layers\.0\.wo\.weight \(call 0\)\s+float32\s+bfloat16\s+FAIL", text
+        r"materialized\s+layers\.1\.wo\.weight \(call 0\)\s+float32\s+bfloat16\s+FAIL", text
     )
+    assert "follow from" not in text
     # the long pair marked where it differs, wrapped within its columns to fit the width
     assert not any("inputs (»float32«, float32) -> float32" in line for line in lines)  # wrapped
     operators = next(row for row in table_rows(text) if row["check"] == "operators")
@@ -137,10 +139,12 @@ def test_the_cause_leads_and_the_parity_rows_it_explains_fold_into_one_line() ->
     rows = text.split("what to do:")[0].splitlines()[3:]  # after the headline's 2 lines, header
     # found last, listed first: the contract's order puts the cause before what follows from it
     assert rows[0].startswith("materialized  layers.0.wo.weight (call 0)"), text
-    assert [row.split()[0] for row in rows if row.endswith("FAIL")] == [
-        "materialized",
-        "operators",
-    ]
+    # the operators row of the module whose weight was gathered low folds too (issue 36)
+    assert [row.split()[0] for row in rows if row.endswith("FAIL")] == ["materialized"]
+    assert (
+        "1 operators row follows from the materialized failure above (1 kept module: "
+        "layers.0.wo)" in " ".join(text.split())
+    ), text
     assert (
         "12 parity rows follow from the materialized failure above (logits, loss, 12 gradients)"
         not in text
@@ -440,12 +444,13 @@ def test_root_owned_kept_parameter_is_refused(fsdp2_mesh):
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     fp32keep.apply_fsdp2(model, mesh=fsdp2_mesh, mp_policy=policy, plan=plan)
 """
-#: The most lines its failure section may take: one copy of the long traceback with locals
-#: (the test's frame, then apply_fsdp2's and plan_layout's source, about 265 lines) and the
-#: headline. Before issue 22 each rank printed its own copy (540 lines): the plan's repr listed
-#: its kept names in set order, which differs between processes (string hashes are salted
-#: per process), so the ranks' tracebacks never read the same.
-MAX_REFUSAL_LINES = 300
+#: The most lines its failure section may take: one copy of the test's frame with its locals
+#: and the refusal's message, wrapped (about 45 lines). Before issue 22 each rank printed its
+#: own copy (540 lines): the plan's repr listed its kept names in set order, which differs
+#: between processes (string hashes are salted per process), so the ranks' tracebacks never
+#: read the same; before issue 36 the copy held apply_fsdp2's and plan_layout's docstrings and
+#: source (about 265 lines), and the problem lines were up to 275 columns wide.
+MAX_REFUSAL_LINES = 80
 
 
 def test_a_layout_refusal_at_two_ranks_is_one_traceback_even_with_locals(
@@ -457,8 +462,14 @@ def test_a_layout_refusal_at_two_ranks_is_one_traceback_even_with_locals(
     assert "fsdp2: call failed on ranks 0,1 of 2" in text
     assert re.search(r"-+ ranks 0,1 \(root cause: first to fail\) -+", text), text
     assert "plan       = KeepPlan(" in text  # the locals are shown, the plan among them
-    assert text.count("def plan_layout(") == 1, text  # the library's source once, not per rank
-    assert text.count("E           fp32keep.errors.KeepLayoutError: FSDP2 cannot keep") == 1
-    assert "query_tokens  [root-owned] is kept (torch.float32)" in text
+    # the library's own error: its frames hidden (fp32keep's __tracebackhide__), the message
+    # under the test's line, its problem lines wrapped to 100 columns (issue 36)
+    assert "def plan_layout(" not in text and "def apply_fsdp2(" not in text, text
+    assert "fp32keep/layout.py" not in text and "fp32keep/wrap.py" not in text, text
+    assert "fp32keep.apply_fsdp2(model, mesh=fsdp2_mesh, mp_policy=policy, plan=plan)" in text
+    assert text.count("E       fp32keep.errors.KeepLayoutError: FSDP2 cannot keep") == 1, text
+    assert "E         query_tokens  [root-owned] is kept (torch.float32)" in text
+    error_lines = [line for line in text.splitlines() if line.startswith("E")]
+    assert len(error_lines) > 6 and max(len(line) for line in error_lines) <= 100, text
     lines = text.splitlines()
     assert len(lines) <= MAX_REFUSAL_LINES, f"{len(lines)} lines:\n{text}"

@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from pytest_fp32keep.runner.devices import nccl_shortfall
 from tests.error_bounds import PARENT_BOUND_S, within
 from tests.plugin._inner import InnerProject
 
@@ -115,6 +116,9 @@ def test_nccl_with_more_ranks_than_gpus_is_skipped_naming_the_counts(
             "(one per rank), 0 visible here*"
         ]
     )
+    # with no GPU, fewer ranks is no way out (it said "ask for at most 0 ranks": issue 36)
+    said = " ".join(result.stdout.str().split())
+    assert "at most 0" not in said and "run with --fsdp-backend=gloo (or auto)" in said
     assert inner.records("ran") == []
     assert not list(inner.path.glob("runpytest-*/fsdp2")), "a group of ranks was started"
 
@@ -261,3 +265,20 @@ def test_parent_decides_skips_and_refuses_fixtures_without_importing_torch(
     assert inner.records("ran") == []
     assert json.loads((inner.path / "torch_modules.json").read_text()) == []
     assert not list(inner.path.glob("runpytest-*/fsdp2")), "a group of ranks was started"
+
+
+@pytest.mark.parametrize(
+    ("devices", "way_out"),
+    [
+        (0, "or run on a machine with 4 GPUs"),
+        (1, "or ask for at most 1 rank"),
+        (3, "at most 3 ranks"),
+    ],
+)
+def test_the_nccl_skip_offers_fewer_ranks_only_where_a_gpu_is_visible(
+    devices: int, way_out: str
+) -> None:
+    said = nccl_shortfall(4, devices)
+    assert said.startswith(f"fsdp2: backend nccl needs 4 CUDA devices (one per rank), {devices}")
+    assert way_out in said
+    assert ("at most" in said) is (devices > 0)  # negative control: never "at most 0 ranks"

@@ -41,3 +41,34 @@ def test_negative_control_one_text_from_two_places_is_two_warnings_at_their_plac
         (f"[rank 0] {text}", USER_FILE, 12),
         (f"[rank 1] {text}", LIBRARY_FILE, 40),
     ]
+
+
+def test_a_warning_raised_twice_in_each_rank_names_each_rank_once() -> None:
+    # torch warns about a view once per unit: the same text at the same place, twice a rank
+    twice = [rank_warning("UserWarning: a view", LIBRARY_FILE, 40)] * 2
+    ranks = [reports.RankOutcome(rank, warnings=twice) for rank in (0, 2)]
+    assert relayed(*ranks) == [("[ranks 0,2] UserWarning: a view", LIBRARY_FILE, 40)]
+    # negative control: a rank that did not raise it is not named
+    assert relayed(reports.RankOutcome(1, warnings=twice)) == [
+        ("[rank 1] UserWarning: a view", LIBRARY_FILE, 40)
+    ]
+
+
+def test_a_long_warning_starts_on_its_own_line_wrapped_to_100_columns() -> None:
+    text = "UserWarning: FSDP2-wrapped module (Block) returned a view tensor. " + " ".join(
+        ["An in-place op on this view will silently drop the pre-backward hook."] * 6
+    )
+    (message, _, _), *_ = relayed(
+        reports.RankOutcome(0, warnings=[rank_warning(text, USER_FILE, 3)])
+    )
+    lines = message.splitlines()
+    assert lines[0] == "[rank 0]"
+    # pytest's summary indents each line of a message by 2 columns
+    assert max(len("  " + line) for line in lines) <= 100, message
+    assert " ".join(" ".join(lines[1:]).split()) == text  # nothing lost
+    # negative control: a short text stays on the line of its ranks (the first test above too)
+    short = "UserWarning: careful"
+    (message, _, _), *_ = relayed(
+        reports.RankOutcome(0, warnings=[rank_warning(short, USER_FILE, 3)])
+    )
+    assert message == f"[rank 0] {short}"
