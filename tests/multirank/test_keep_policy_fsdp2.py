@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 import fp32keep
-from fp32keep import Fp32KeepNotImplementedError, Fp32KeepValueError, KeepPlan
+from fp32keep import Fp32KeepNotImplementedError, Fp32KeepValueError, KeepLayoutError, KeepPlan
 from fp32keep.keep_policy import OVERRIDE_SUPPORTED
 from pytest_fp32keep import ContractReport, ContractViolation, assert_fp32_keep_contract
 from pytest_fp32keep.check.zoo import ZOO
@@ -193,3 +193,22 @@ def test_a_kept_unit_of_the_callers_keeps_its_boundary(mesh: DeviceMesh) -> None
         wrap=["T5Block", "Linear"],
     )
     assert report.ok
+
+
+@NEEDS_OVERRIDE
+def test_a_mixed_unit_refusal_is_kept_by_policy_over_fp32_masters(mesh: DeviceMesh) -> None:
+    # Rwkv under fp16: `time_decay` and `time_first` are kept beside parameters that are not,
+    # in one module: over low-precision storage no unit can hold them (refused, mixed-unit);
+    # over FP32 masters the policy keeps them FP32 inside the caller's units
+    entry = ZOO["rwkv"]
+    contract = functools.partial(
+        assert_fp32_keep_contract,
+        entry.build,
+        functools.partial(entry.make_batch, seed=0),
+        mesh=mesh,
+        dtype=FP16,
+    )
+    report = contract(master_dtype=FP32)
+    assert report.ok and report.kept
+    with pytest.raises(KeepLayoutError, match="mixed-unit"):
+        contract()
