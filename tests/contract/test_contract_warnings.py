@@ -14,10 +14,20 @@ model's contract with every warning an error.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from tests.contract.test_readme_example import readme_example
-from tests.plugin._inner import InnerProject, failure_section
+from tests.plugin._inner import InnerProject, failure_section, tagged_project
+
+
+@pytest.fixture
+def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Iterator[InnerProject]:
+    """An inner project whose processes carry a unique tag (as in tests/plugin)."""
+    with tagged_project(pytester, monkeypatch) as project:
+        yield project
+
 
 #: The user's own tests beside the README example: each must still fail under warnings as errors.
 OWN_WARNINGS = """

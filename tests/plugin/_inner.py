@@ -17,6 +17,7 @@ import sys
 import textwrap
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -210,3 +211,18 @@ class InnerProject:
 def new_tag() -> str:
     """A tag no other session uses."""
     return uuid.uuid4().hex
+
+
+@contextlib.contextmanager
+def tagged_project(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[InnerProject]:
+    """An inner project (pytester) whose pytest, torchrun and ranks carry a unique tag; every
+    process still carrying it is killed afterwards (the ``inner`` fixtures)."""
+    tag = new_tag()
+    monkeypatch.setenv(TAG_VARIABLE, tag)
+    project = InnerProject(pytester.path, tag, pytester)
+    try:
+        yield project
+    finally:
+        project.kill_leftovers()

@@ -6,17 +6,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.plugin._inner import TAG_VARIABLE, InnerProject, new_tag
+from tests.plugin._inner import InnerProject, new_tag, tagged_project
 
 
 @pytest.fixture
 def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Iterator[InnerProject]:
     """An inner project (pytester) whose pytest, torchrun and ranks carry a unique tag."""
-    tag = new_tag()
-    monkeypatch.setenv(TAG_VARIABLE, tag)
-    project = InnerProject(pytester.path, tag, pytester)
-    yield project
-    project.kill_leftovers()
+    with tagged_project(pytester, monkeypatch) as project:
+        yield project
 
 
 @pytest.fixture(scope="module")

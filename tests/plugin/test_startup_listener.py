@@ -47,12 +47,27 @@ MALFORMED = {
 }
 
 
-def _controller_address(deadline: float) -> tuple[str, int]:
-    """The listener's address, read from the environment of the torchrun we started."""
+def _children() -> set[str]:
+    """The pids of this process's children (a warm rank group of an earlier test included)."""
+    children = set()
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                stat = Path(f"/proc/{entry.name}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[-1].split()[1]) == os.getpid():
+                children.add(entry.name)
+    return children
+
+
+def _controller_address(deadline: float, earlier: set[str]) -> tuple[str, int]:
+    """The listener's address, read from the environment of the torchrun we started (not one
+    of ``earlier``: an earlier test's warm ranks in this worker, whose listener is closed)."""
     marker = protocol.ENV_CONTROLLER.encode() + b"="
     while time.monotonic() < deadline:
         for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
+            if not entry.name.isdigit() or entry.name in earlier:
                 continue
             try:
                 stat = Path(f"/proc/{entry.name}/stat").read_text()
@@ -90,11 +105,12 @@ def test_malformed_frames_are_refused_and_the_ranks_still_start(tmp_path: Path) 
         except BaseException as exc:  # what the controller would turn into an internal error
             outcome["error"] = exc
 
+    earlier = _children()
     starter = threading.Thread(target=start)
     starter.start()
     refused = {}
     try:
-        address = _controller_address(time.monotonic() + 60)
+        address = _controller_address(time.monotonic() + 60, earlier)
         for name, data in MALFORMED.items():
             with socket.create_connection(address, timeout=30) as stranger:
                 stranger.sendall(data)
