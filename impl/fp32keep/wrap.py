@@ -29,8 +29,8 @@ from fp32keep.layout import KeptGrouping, Layout, plan_layout
 from fp32keep.observe import ParameterUse
 from fp32keep.plan import KeepPlan, resolve_keep_plan
 from fp32keep.plan_use import check_plan_fits, check_plan_for_policy, storage_dtype
-from fp32keep.tensors import check_float_dtype, dtype_name, is_castable_float
-from fp32keep.wrap_targets import WrapSpec
+from fp32keep.tensors import check_float_dtype, check_module, dtype_name, is_castable_float
+from fp32keep.wrap_targets import WrapSpec, check_wrap
 
 # fully_shard(ignored_params=...) arrived after torch 2.6; without it a frozen kept parameter
 # that no unit can isolate is refused like a trainable one.
@@ -210,6 +210,8 @@ def apply_fsdp2(
     Returns:
         ``model``, now an ``FSDPModule``.
     """
+    check_module(model, where="apply_fsdp2")
+    check_wrap(wrap)  # argument types first: they need no process group
     _check_callable_state(model, mesh, mp_policy)
     resolved_here = plan is None
     if plan is None:
@@ -255,7 +257,7 @@ _SHARDED: weakref.WeakKeyDictionary[nn.Module, Layout] = weakref.WeakKeyDictiona
 def sharded_layout(model: nn.Module) -> Layout | None:
     """The layout :func:`apply_fsdp2` sharded ``model`` with (its ``describe()`` says how the
     kept parameters stay FP32 and why that way), or ``None`` for a model it did not shard."""
-    return _SHARDED.get(model)
+    return _SHARDED.get(check_module(model, where="sharded_layout"))
 
 
 def _policy_layout(
