@@ -8,7 +8,13 @@ from torch import nn
 from fp32keep.errors import hidden_in_tracebacks
 from fp32keep.plan import KeepPlan, resolve_keep_plan
 from fp32keep.plan_use import check_plan_fits, check_plan_for_cast
-from fp32keep.tensors import check_float_dtype, is_castable_float, iter_owned, join
+from fp32keep.tensors import (
+    check_float_dtype,
+    check_module,
+    is_castable_float,
+    iter_owned,
+    join,
+)
 
 #: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
 __tracebackhide__ = hidden_in_tracebacks
@@ -41,6 +47,7 @@ def keep_aware_cast(
             cast.
         Fp32KeepTypeError / Fp32KeepValueError: ``dtype`` is not a floating torch dtype.
     """
+    check_module(model, where="keep_aware_cast")
     check_float_dtype(dtype, what="dtype")
     if plan is None:
         plan = resolve_keep_plan(model, dtype)
@@ -91,6 +98,7 @@ def upcast_to_fp32_master(model: nn.Module) -> nn.Module:
     Returns:
         ``model``.
     """
+    check_module(model, where="upcast_to_fp32_master")
     for param in model.parameters():
         if not param.requires_grad or _is_quantized(param):
             continue

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from fp32keep.errors import hidden_in_tracebacks
+from fp32keep.reprs import SHOWN, and_more, first_few
 from fp32keep.tensors import TensorSlot, is_castable_float, tensor_slots
 
 #: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
@@ -236,13 +237,17 @@ def plan_divergence(where: str, accounts: Sequence[tuple[int, str, tuple[str, ..
     if not differing:
         return None
     notes = [
-        f"rank {rank}: {'; '.join(unobserved)}" for rank, _, unobserved in accounts if unobserved
+        f"rank {rank}: {'; '.join(unobserved[:SHOWN])}{and_more(len(unobserved))}"
+        for rank, _, unobserved in accounts
+        if unobserved
     ]
-    why = f"; construction not observed on {', '.join(notes)}" if notes else ""
+    why = f"; construction not observed on {', '.join(notes[:SHOWN])}" if notes else ""
+    why += and_more(len(notes)) + (" ranks" if len(notes) > SHOWN else "")
     return (
-        f"{where}: the keep plan on ranks {differing} differs from rank {first}'s{why}. Every "
-        "rank must resolve the same plan: a rebuild that failed on some rank only (for a file, "
-        "memory or an import of its own) left out there what the model code builds in FP32"
+        f"{where}: the keep plan on ranks {first_few(differing)} differs from rank "
+        f"{first}'s{why}. Every rank must resolve the same plan: a rebuild that failed on some "
+        "rank only (for a file, memory or an import of its own) left out there what the model "
+        "code builds in FP32"
     )
 
 

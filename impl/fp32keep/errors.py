@@ -7,9 +7,12 @@ that the library raises) and from the built-in exception it has always been, so 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from fp32keep.reprs import SHOWN
 
 
 def hidden_in_tracebacks(excinfo: Any) -> bool:
@@ -80,7 +83,8 @@ class KeepLayoutError(Fp32KeepValueError):
 
     Raised by :func:`fp32keep.apply_fsdp2` after validating the whole layout and before any
     module is sharded: no module is an ``FSDPModule`` afterwards and no parameter changed.
-    ``problems`` lists every offending tensor with the reason.
+    ``problems`` lists every offending tensor with the reason; the message names the first
+    five of each reason and counts the rest.
     """
 
     def __init__(self, problems: Sequence[LayoutProblem], *, model_name: str = "model") -> None:
@@ -90,9 +94,23 @@ class KeepLayoutError(Fp32KeepValueError):
             f"FSDP2 cannot keep the FP32 contract of {model_name}: "
             f"{len(self.problems)} problem(s) ({', '.join(reasons)}); nothing was sharded."
         ]
-        width = max((len(problem.fqn) for problem in self.problems), default=0)
+        # The first few of each reason, so that a model with thousands of problems gets a
+        # message of a few KB that still shows every kind; ``problems`` holds them all.
+        found = Counter(problem.reason for problem in self.problems)
+        seen: Counter[str] = Counter()
+        shown = []
         for problem in self.problems:
+            seen[problem.reason] += 1
+            if seen[problem.reason] <= SHOWN:
+                shown.append(problem)
+        width = max((len(problem.fqn) for problem in shown), default=0)
+        for problem in shown:
             lines.append(f"  {problem.fqn:<{width}}  [{problem.reason}] {problem.detail}")
+        lines += [
+            f"  … and {count - SHOWN} more [{reason}] (error.problems lists every one)"
+            for reason, count in sorted(found.items())
+            if count > SHOWN
+        ]
         super().__init__("\n".join(lines))
 
     @property

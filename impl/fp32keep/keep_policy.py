@@ -28,10 +28,17 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fp32keep.compat import LOW_PRECISION_DTYPES
-from fp32keep.errors import Fp32KeepNotImplementedError, Fp32KeepValueError
+from fp32keep.errors import (
+    Fp32KeepNotImplementedError,
+    Fp32KeepValueError,
+    hidden_in_tracebacks,
+)
 from fp32keep.plan import KeepPlan
 from fp32keep.plan_use import check_plan_fits
 from fp32keep.tensors import dtype_name
+
+#: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
+__tracebackhide__ = hidden_in_tracebacks
 
 OVERRIDE_SUPPORTED = "param_dtype_override_fn" in {
     f.name for f in dataclasses.fields(MixedPrecisionPolicy)

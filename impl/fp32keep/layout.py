@@ -39,11 +39,11 @@ from fp32keep.layout_problems import (
 from fp32keep.observe import ParameterUse, UnitMembers
 from fp32keep.plan import KeepPlan
 from fp32keep.reads import DirectRead, find_direct_read
-from fp32keep.tensors import dtype_name, is_castable_float, iter_owned, join
+from fp32keep.tensors import check_module, dtype_name, is_castable_float, iter_owned, join
 from fp32keep.tied_units import TieGroup, sharding_order, tie_groups
 from fp32keep.unit_reach import outside_uses
 from fp32keep.wrap_targets import WrapSpec as WrapSpec  # re-exported: its home before the split
-from fp32keep.wrap_targets import wrap_predicate
+from fp32keep.wrap_targets import check_wrap, wrap_predicate
 
 #: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
 __tracebackhide__ = hidden_in_tracebacks
@@ -229,6 +229,8 @@ def plan_layout(
     Raises:
         KeepLayoutError: naming every offending parameter and the reason.
     """
+    check_module(model, where="plan_layout")
+    check_wrap(wrap)
     draft = _draft(model, plan, wrap, group_kept, replicate_frozen, observed)
     if draft.problems:  # checked here, so a refusal's traceback shows this short frame only
         raise KeepLayoutError(draft.problems, model_name=type(model).__name__)

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from fp32keep.devices import collective_device
 from fp32keep.errors import (
+    Fp32KeepError,
     Fp32KeepNotImplementedError,
     Fp32KeepRuntimeError,
     Fp32KeepTypeError,
@@ -42,6 +43,7 @@ from fp32keep.errors import (
 from fp32keep.load_meta import Fresh, allocate
 from fp32keep.load_move import Target, collect_targets, cut_evenly, move, scatters_directly
 from fp32keep.load_validate import (
+    AGREED_ARGUMENTS,
     Report,
     Verdict,
     agree,
@@ -51,6 +53,8 @@ from fp32keep.load_validate import (
     validate,
     verdict_error,
 )
+from fp32keep.reprs import first_few
+from fp32keep.tensors import check_module, module_problem
 
 #: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
 __tracebackhide__ = hidden_in_tracebacks
@@ -87,6 +91,8 @@ def _local_report(
     src_rank = arguments[0]
     targets: list[Target] = []
     problem = state_dict_problem(state_dict, rank)
+    if problem is None and (found := module_problem(model, where="load_full_state_dict")):
+        problem = Fp32KeepTypeError, f"{found} [on rank {rank}]"
     if problem is None and not any(isinstance(m, FSDPModule) for m in model.modules()):
         problem = (
             Fp32KeepValueError,
@@ -100,6 +106,8 @@ def _local_report(
             Fp32KeepValueError,
             (f"src_rank={src_rank} is not a rank of this {world}-rank process group"),
         )
+    if problem is None:
+        problem = _size_problem(arguments)
     if problem is None and init_buffers is not None and not callable(init_buffers):
         problem = (
             Fp32KeepTypeError,
@@ -118,6 +126,17 @@ def _local_report(
     boxes = tuple(t.box for t in targets)
     report = Report(problem, holds, arguments, fingerprint(targets), meta, boxes)
     return report, targets
+
+
+def _size_problem(arguments: tuple[object, ...]) -> tuple[type[Fp32KeepError], str] | None:
+    """``bucket_bytes`` or ``direct_bytes`` that is no int >= 0 (a bool is no size)."""
+    for name in ("bucket_bytes", "direct_bytes"):
+        value = arguments[AGREED_ARGUMENTS.index(name)]
+        if not isinstance(value, int) or isinstance(value, bool):
+            return Fp32KeepTypeError, f"{name} must be an int number of bytes, got {value!r}"
+        if value < 0:
+            return Fp32KeepValueError, f"{name} must be a number of bytes >= 0, got {value}"
+    return None
 
 
 def _written(before: tuple[torch.Tensor, int], after: torch.Tensor) -> bool:
@@ -201,7 +220,8 @@ def _prepare(
             if unwritten:
                 problem = (
                     f"init_buffers left these buffers unwritten on rank {rank}: "
-                    f"{list(unwritten)}; it must fill (or re-register) every one of them{suffix}"
+                    f"{first_few(unwritten)}; it must fill (or re-register) every one of "
+                    f"them{suffix}"
                 )
                 return _Prepared(targets, problem=problem, unwritten=unwritten)
         mask = bytes(int(scatters_directly(t, device, direct_bytes)) for t in targets)
@@ -401,6 +421,7 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     are unsharded CPU tensors in the model's storage dtypes. Meant for tests and round trips on
     models that fit in one rank's memory.
     """
+    check_module(model, where="gather_full_state_dict")
     full: dict[str, torch.Tensor] = {}
     for name, value in model.state_dict(keep_vars=False).items():
         tensor = value.full_tensor() if isinstance(value, DTensor) else value

@@ -26,6 +26,7 @@ from fp32keep.errors import (
     hidden_in_tracebacks,
 )
 from fp32keep.load_move import Box, Target
+from fp32keep.reprs import SHOWN, and_more, clipped_repr, first_few, first_lines
 from fp32keep.tensors import dtype_name
 
 #: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
@@ -115,9 +116,7 @@ def _model_difference(targets: Sequence[Target], reports: Sequence[Report]) -> s
     first, second = layouts[0], layouts[other]
     assert first is not None and second is not None
     found = layout_differences(first, second, 0, other)
-    shown = "; ".join(found[:_SHOWN]) + (
-        f"; and {len(found) - _SHOWN} more" if len(found) > _SHOWN else ""
-    )
+    shown = "; ".join(found[:SHOWN]) + and_more(len(found))
     text = f": {shown}" if shown else ""
     if any(" tied to " in line for line in found):
         text += (
@@ -126,9 +125,6 @@ def _model_difference(targets: Sequence[Target], reports: Sequence[Report]) -> s
             "leaves a model built under torch.device('meta') untied)"
         )
     return text
-
-
-_SHOWN = 5  # differences named in the refusal
 
 
 def agree(local: Report, src_rank: int, targets: Sequence[Target] = ()) -> list[Report]:
@@ -154,7 +150,9 @@ def agree(local: Report, src_rank: int, targets: Sequence[Target] = ()) -> list[
             for r, report in enumerate(reports):
                 values.setdefault(repr(report.arguments[position]), []).append(r)
             if len(values) > 1:
-                where = ", ".join(f"{value} on ranks {ranks}" for value, ranks in values.items())
+                where = ", ".join(
+                    f"{value} on ranks {first_few(ranks)}" for value, ranks in values.items()
+                )
                 differing.append(f"{name}: {where}")
         raise Fp32KeepValueError(
             "load_full_state_dict was called with different arguments on different ranks ("
@@ -163,7 +161,7 @@ def agree(local: Report, src_rank: int, targets: Sequence[Target] = ()) -> list[
         )
     holders = [r for r, report in enumerate(reports) if report.holds]
     if holders != [src_rank]:
-        where = f"ranks {holders}" if holders else "no rank"
+        where = f"ranks {first_few(holders)}" if holders else "no rank"
         raise Fp32KeepValueError(
             f"load_full_state_dict: the full state dict is held by {where}; it must be held by "
             f"src_rank={src_rank} alone (pass None on every other rank) [raised on rank {rank}]"
@@ -173,9 +171,9 @@ def agree(local: Report, src_rank: int, targets: Sequence[Target] = ()) -> list[
         # every rank gets here (some rank differs from each), so the extra collective pairs up
         how = _model_difference(targets, reports)
         raise Fp32KeepValueError(
-            f"load_full_state_dict: the model on ranks {differing_ranks} differs from rank "
-            f"{rank}'s (names, shapes or dtypes); every rank must build and shard the same "
-            f"model{how}"
+            f"load_full_state_dict: the model on ranks {first_few(differing_ranks)} differs "
+            f"from rank {rank}'s (names, shapes or dtypes); every rank must build and shard the "
+            f"same model{how}"
         )
     return reports
 
@@ -184,8 +182,7 @@ def state_dict_problem(state_dict: object, rank: int) -> tuple[type[Fp32KeepErro
     """A ``state_dict`` argument that is neither ``None`` nor a mapping, as a local problem."""
     if state_dict is None or isinstance(state_dict, Mapping):
         return None
-    shown = repr(state_dict)
-    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    shown = clipped_repr(state_dict, 80)
     hint = (
         " (a checkpoint path? load it first, e.g. safetensors.torch.load_file(path) or "
         "torch.load(path, weights_only=True))"
@@ -299,7 +296,10 @@ def _validate_entries(
 ) -> Verdict:
     named = {key for key in keys if isinstance(key, str)}
     mismatched = [
-        (repr(key), f"is a {type(key).__name__} key; state-dict keys are tensor names (str)")
+        (
+            clipped_repr(key),
+            f"is a {type(key).__name__} key; state-dict keys are tensor names (str)",
+        )
         for key in keys
         if not isinstance(key, str)
     ]
@@ -353,13 +353,14 @@ def verdict_error(verdict: Verdict, strict: bool, src_rank: int) -> StateDictErr
     problems: list[str] = []
     if verdict.mismatched:
         problems.append(
-            "entries that cannot be loaded:\n"
-            + "\n".join(f"  {key}: {reason}" for key, reason in verdict.mismatched)
+            f"entries that cannot be loaded ({len(verdict.mismatched)}):\n"
+            + "\n".join(first_lines([f"  {key}: {why}" for key, why in verdict.mismatched]))
         )
     if strict and verdict.missing:
-        problems.append(f"missing keys ({len(verdict.missing)}): {list(verdict.missing)}")
+        problems.append(f"missing keys ({len(verdict.missing)}): {first_few(verdict.missing)}")
     if strict and verdict.unexpected:
-        problems.append(f"unexpected keys ({len(verdict.unexpected)}): {list(verdict.unexpected)}")
+        count = len(verdict.unexpected)
+        problems.append(f"unexpected keys ({count}): {first_few(verdict.unexpected)}")
     if not problems:
         return None
     hint = (
@@ -392,19 +393,20 @@ def uninitialized_error(
             names.append(target.key)
             lines.append(
                 f"  {target.key}: missing from the state dict and on the meta device on ranks "
-                f"{meta_on}, so it would hold garbage there; put it in the state dict, or build "
-                "it for real on those ranks"
+                f"{first_few(meta_on)}, so it would hold garbage there; put it in the state dict, "
+                "or build it for real on those ranks"
             )
         elif not target.persistent and src_rank in meta_on and not has_init_buffers:
             buffers.extend(target.names)
+    lines = first_lines(lines)  # the buffers' line below is never cut
     if buffers:
         names.extend(buffers)
         lines.append(
             f"  non-persistent buffers on the meta device on the source rank (rank {src_rank}), "
-            f"so no rank can send them, and in no state dict: {buffers}. Build the model on the "
-            "source rank with real buffers (a real build, or accelerate's init_empty_weights(), "
-            "which puts only parameters on the meta device), or pass init_buffers=, a callable "
-            "that re-creates them once the model is materialised"
+            f"so no rank can send them, and in no state dict: {first_few(buffers)}. Build the "
+            "model on the source rank with real buffers (a real build, or accelerate's "
+            "init_empty_weights(), which puts only parameters on the meta device), or pass "
+            "init_buffers=, a callable that re-creates them once the model is materialised"
         )
     if not lines:
         return None

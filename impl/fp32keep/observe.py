@@ -38,8 +38,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fp32keep.errors import Fp32KeepTypeError, Fp32KeepValueError, hidden_in_tracebacks
+from fp32keep.errors import Fp32KeepValueError, hidden_in_tracebacks
 from fp32keep.reads import DirectRead
+from fp32keep.tensors import check_module
 
 #: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
 __tracebackhide__ = hidden_in_tracebacks
@@ -304,8 +305,7 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
-@contextlib.contextmanager
-def observe_parameter_use(model: nn.Module) -> Iterator[ParameterUse]:
+def observe_parameter_use(model: nn.Module) -> contextlib.AbstractContextManager[ParameterUse]:
     """Record, inside the ``with`` block, which module calls and methods use each parameter.
 
     Run one forward of the *unsharded* model in it, on inputs that take the code paths training
@@ -325,20 +325,23 @@ def observe_parameter_use(model: nn.Module) -> Iterator[ParameterUse]:
     summed in FP32 instead of in the low dtype, so observe a forward of its own rather than a
     step whose gradients you compare bit for bit.
 
-    Raises:
+    Raises (at the call, before the ``with`` block):
         TypeError: ``model`` is not an ``nn.Module``.
         ValueError: ``model`` is already sharded (its parameters are DTensors).
     """
-    if not isinstance(model, nn.Module):
-        raise Fp32KeepTypeError(
-            f"observe_parameter_use needs an nn.Module, got {type(model).__name__}"
-        )
+    check_module(model, where="observe_parameter_use")
     sharded = [name for name, param in model.named_parameters() if _is_dtensor(param)]
     if sharded:
         raise Fp32KeepValueError(
             f"observe_parameter_use: {type(model).__name__} is already sharded ({sharded[:3]} are "
             "DTensors); observe the unsharded model before apply_fsdp2"
         )
+    return _observing(model)
+
+
+@contextlib.contextmanager
+def _observing(model: nn.Module) -> Iterator[ParameterUse]:
+    """The recording itself: :func:`observe_parameter_use` after its checks."""
     aliases: dict[str, list[str]] = {}
     first: dict[int, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):

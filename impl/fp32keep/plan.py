@@ -28,6 +28,7 @@ from fp32keep.reprs import dataclass_repr
 from fp32keep.tensors import (
     TensorSlot,
     check_float_dtype,
+    check_module,
     dtype_name,
     is_castable_float,
     join,
@@ -369,6 +370,7 @@ def resolve_keep_plan(
         KeepDeclarationError: a declaration Transformers itself would refuse.
         TypeError / ValueError: ``dtype`` is not a floating torch dtype.
     """
+    check_module(model, where="resolve_keep_plan")
     check_float_dtype(dtype, what="dtype")
     if transformers_version is None:
         semantics, runtime = installed_semantics(), True

@@ -15,6 +15,7 @@ from torch import nn
 from fp32keep.compat import LOW_PRECISION_DTYPES
 from fp32keep.errors import KeepPlanError, hidden_in_tracebacks
 from fp32keep.plan import KeepPlan
+from fp32keep.reprs import first_few
 from fp32keep.tensors import dtype_name, tensor_slots
 
 #: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
@@ -26,10 +27,9 @@ def check_plan_fits(model: nn.Module, plan: KeepPlan) -> None:
     known = {name for slot in tensor_slots(model) for name in slot.names}
     unknown = sorted(plan.names - known)
     if unknown:
-        more = " …" if len(unknown) > 5 else ""
         raise KeepPlanError(
             f"the keep plan names tensors {type(model).__name__} does not have: "
-            f"{unknown[:5]}{more}; resolve the plan on this model with "
+            f"{first_few(unknown)}; resolve the plan on this model with "
             "fp32keep.resolve_keep_plan(model, dtype)"
         )
 

@@ -1,4 +1,5 @@
-"""Tensor naming and classification shared by the plan, the cast, the wrapper and the loader."""
+"""Tensor naming and classification shared by the plan, the cast, the wrapper and the loader,
+and the checks of the arguments they share (a model, a dtype)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from fp32keep.errors import Fp32KeepTypeError, Fp32KeepValueError, hidden_in_tracebacks
+from fp32keep.reprs import clipped_repr
 
 #: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
 __tracebackhide__ = hidden_in_tracebacks
@@ -53,6 +55,37 @@ def check_float_dtype(dtype: object, *, what: str) -> torch.dtype:
             f"got {dtype_name(dtype)}"
         )
     return dtype
+
+
+def module_problem(model: object, *, where: str, parameter: str = "model") -> str | None:
+    """Why ``model`` cannot be the ``nn.Module`` argument ``parameter`` of ``where``, or None.
+
+    Checked first at every public entry point, so that ``None`` or a checkpoint path gets this
+    sentence instead of what the first use of it raises (``vars() argument must have __dict__
+    attribute``, ``'NoneType' object has no attribute 'parameters'``).
+    """
+    if isinstance(model, nn.Module):
+        return None
+    hint = (
+        " (a checkpoint path? build the model first, e.g. "
+        "AutoModelForCausalLM.from_pretrained(path))"
+        if isinstance(model, str | bytes) or hasattr(model, "__fspath__")
+        else ""
+    )
+    return (
+        f"{where}: {parameter} must be a torch.nn.Module, got {clipped_repr(model, 80)} of type "
+        f"{type(model).__name__}{hint}; pass the model itself"
+    )
+
+
+def check_module(model: object, *, where: str, parameter: str = "model") -> nn.Module:
+    """Return ``model`` if it is an ``nn.Module``, else raise :class:`Fp32KeepTypeError`
+    (:func:`module_problem`)."""
+    problem = module_problem(model, where=where, parameter=parameter)
+    if problem is not None:
+        raise Fp32KeepTypeError(problem)
+    assert isinstance(model, nn.Module)
+    return model
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ from fp32keep.layout import KeptGrouping, Layout, plan_layout
 from fp32keep.observe import ParameterUse
 from fp32keep.plan import KeepPlan, resolve_keep_plan
 from fp32keep.plan_use import check_plan_fits, check_plan_for_policy, storage_dtype
-from fp32keep.tensors import check_float_dtype, dtype_name, is_castable_float
-from fp32keep.wrap_targets import WrapSpec
+from fp32keep.tensors import check_float_dtype, check_module, dtype_name, is_castable_float
+from fp32keep.wrap_targets import WrapSpec, check_wrap
 
 #: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
 __tracebackhide__ = hidden_in_tracebacks
@@ -214,6 +214,8 @@ def apply_fsdp2(
     Returns:
         ``model``, now an ``FSDPModule``.
     """
+    check_module(model, where="apply_fsdp2")
+    check_wrap(wrap)  # argument types first: they need no process group
     _check_callable_state(model, mesh, mp_policy)
     resolved_here = plan is None
     if plan is None:
@@ -259,7 +261,7 @@ _SHARDED: weakref.WeakKeyDictionary[nn.Module, Layout] = weakref.WeakKeyDictiona
 def sharded_layout(model: nn.Module) -> Layout | None:
     """The layout :func:`apply_fsdp2` sharded ``model`` with (its ``describe()`` says how the
     kept parameters stay FP32 and why that way), or ``None`` for a model it did not shard."""
-    return _SHARDED.get(model)
+    return _SHARDED.get(check_module(model, where="sharded_layout"))
 
 
 def _policy_layout(

@@ -83,6 +83,17 @@ def test_the_fingerprint_names_the_entry_that_differs() -> None:
     assert "[0] differ" in (batch_problem([batch_fingerprint((ids.float(),)), half], [0, 1]) or "")
 
 
+def test_a_batch_differing_on_a_thousand_ranks_names_five() -> None:
+    """The message names five ranks and counts the rest (it listed every rank); the negative
+    control is the first five ranks, which are all named."""
+    ids = torch.arange(6)
+    same, other = batch_fingerprint({"ids": ids}), batch_fingerprint({"ids": ids + 1})
+    problem = batch_problem([same] + [other] * 1000, list(range(1001))) or ""
+    assert "rank 5 built a different batch" in problem and "rank 6 built" not in problem
+    assert "; and 995 more ranks (compared with rank 0's)" in problem and len(problem) < 4096
+    assert "rank 5 built" in (batch_problem([same] + [other] * 5, list(range(6))) or "")
+
+
 def test_crash_rows_group_the_ranks_of_one_exception() -> None:
     crashes = [
         Crash("shard", "RuntimeError", "no mesh here", 1),

@@ -223,7 +223,7 @@ def test_an_observation_names_what_does_not_fit() -> None:
     assert "2 not observed, e.g. ['codec.conv.bias', 'codec.conv.weight']" in text
     assert "observed but absent, e.g. ['codec.out.bias'" in text
     with (
-        pytest.raises(TypeError, match=r"needs an nn\.Module"),
+        pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module, got 'model'"),
         observe_parameter_use("model"),  # type: ignore[arg-type]
     ):
         pass

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 import fp32keep
-from fp32keep import StateDictError
+from fp32keep import Fp32KeepTypeError, StateDictError
 from tests.core.toys import stack_class
 from tests.error_bounds import LIBRARY_BOUND_S
 from tests.multirank.refusals import refused_on_every_rank as shared_refused_on_every_rank
@@ -345,3 +345,65 @@ def test_tied_aliases_equal_in_the_destination_dtype_load(mesh: DeviceMesh) -> N
     assert model.head.weight is model.embed.weight
     full = fp32keep.gather_full_state_dict(model)
     assert torch.equal(full["head.weight"], source["embed.weight"].to(BF16))
+
+
+# --- sizes: bounded messages, wrong-typed arguments ----------------------------------------------
+
+UNEXPECTED = 2_000_000
+MESSAGE_LIMIT = 4096  # bytes of a refusal naming any number of keys (tests/core: the same)
+
+
+def test_two_million_unexpected_keys_are_refused_with_a_bounded_message(mesh: DeviceMesh) -> None:
+    """The message used to list every key: 45 MB, 16 s on rank 1. Now the first few and a
+    count, on every rank; ``error.unexpected`` still holds every key."""
+    model = sharded_stack(mesh)
+    before = snapshot(model)
+    source: dict[str, object] = dict(fresh_full_state())
+    empty = torch.zeros(0)  # one 0-element tensor under every extra key: cheap to hold
+    source.update(dict.fromkeys((f"extra.{i}.weight" for i in range(UNEXPECTED)), empty))
+    error = refused_on_every_rank(
+        lambda: fp32keep.load_full_state_dict(model, source if rank() == 0 else None),
+        StateDictError,
+        re.escape(
+            "unexpected keys (2000000): ['extra.0.weight', 'extra.1.weight', 'extra.2.weight', "
+            "'extra.3.weight', 'extra.4.weight'] … and 1999995 more"
+        ),
+    )
+    assert len(str(error)) < MESSAGE_LIMIT, len(str(error))
+    assert len(error.unexpected) == UNEXPECTED
+    assert_same_parameters(model, before)
+
+
+@pytest.mark.parametrize(
+    ("argument", "match"),
+    [
+        pytest.param(
+            "model",
+            r"load_full_state_dict: model must be a torch\.nn\.Module, got None of type "
+            r"NoneType; pass the model itself \[on rank 1\]",
+            id="model-not-a-module-on-rank-1",
+        ),
+        pytest.param(
+            "bucket_bytes",
+            r"bucket_bytes must be an int number of bytes, got '256MB'",
+            id="bucket-bytes-a-string",
+        ),
+    ],
+)
+def test_wrong_typed_arguments_are_refused_on_every_rank(
+    mesh: DeviceMesh, argument: str, match: str
+) -> None:
+    """They used to raise what their first use raised (``'NoneType' object has no attribute
+    'modules'`` on rank 1 alone, its peer left waiting); now a ``TypeError`` on every rank."""
+    model = sharded_stack(mesh)
+    before = snapshot(model)
+    source = fresh_full_state()
+    theirs = source if rank() == 0 else None
+    target = None if argument == "model" and rank() == 1 else model
+    kwargs: dict[str, object] = {"bucket_bytes": "256MB"} if argument == "bucket_bytes" else {}
+    refused_on_every_rank(
+        lambda: fp32keep.load_full_state_dict(target, theirs, **kwargs),  # type: ignore[arg-type]
+        Fp32KeepTypeError,
+        match,
+    )
+    assert_same_parameters(model, before)
