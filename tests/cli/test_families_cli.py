@@ -34,6 +34,29 @@ def test_unknown_family_is_an_error_before_any_rank(capsys: pytest.CaptureFixtur
     assert "fp32keep check --list --all-families" in err
 
 
+@pytest.mark.parametrize(
+    ("name", "close"),
+    [("nonsense", None), ("gpt_os", "gpt_oss"), ("t55", "t5")],
+)
+def test_an_unknown_family_is_named_with_close_names_and_no_path(
+    capsys: pytest.CaptureFixture[str], name: str, close: str | None
+) -> None:
+    """Issue 36: ``--family nonsense`` printed a 276-column line with the absolute path of
+    ``transformers/models``."""
+    with within(PARENT_BOUND_S):
+        code = main(["check", "--family", name])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert f"unknown --family {name!r} (not a model family of the installed Transformers" in err
+    assert "fp32keep check --list --all-families" in err
+    assert "/" not in err.replace("--", ""), err  # no path (of transformers or anything else)
+    assert max(len(line) for line in err.splitlines()) < 200, err
+    if close is None:  # negative control: nothing close is offered where nothing is close
+        assert "close names" not in err, err
+    else:
+        assert f"close names: {close}" in err, err
+
+
 @pytest.mark.usefixtures("broken_t5")
 def test_list_says_whether_each_family_builds(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", "--list", "--family", "gpt_oss", "--family", "t5"]) == 0
