@@ -37,6 +37,7 @@ def test_unknown_family_is_an_error_before_any_rank(capsys: pytest.CaptureFixtur
 @pytest.mark.parametrize(
     ("name", "close"),
     [("nonsense", None), ("gpt_os", "gpt_oss"), ("t55", "t5")],
+    ids=["nothing-close", "gpt_oss", "t5"],
 )
 def test_an_unknown_family_is_named_with_close_names_and_no_path(
     capsys: pytest.CaptureFixture[str], name: str, close: str | None
@@ -47,6 +48,7 @@ def test_an_unknown_family_is_named_with_close_names_and_no_path(
         code = main(["check", "--family", name])
     assert code == 2
     err = capsys.readouterr().err.strip()
+    assert err.startswith("fp32keep check: error:"), err
     assert f"unknown --family {name!r} (not a model family of the installed Transformers" in err
     assert "fp32keep check --list --all-families" in err
     assert "/" not in err.replace("--", ""), err  # no path (of transformers or anything else)
