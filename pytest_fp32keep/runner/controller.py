@@ -29,6 +29,7 @@ import atexit
 import contextlib
 import dataclasses
 import tempfile
+import time
 import traceback
 import warnings
 import zlib
@@ -38,7 +39,7 @@ from typing import Final
 import pytest
 from _pytest.skipping import evaluate_skip_marks, evaluate_xfail_marks
 
-from pytest_fp32keep.runner import options, predispatch, reports
+from pytest_fp32keep.runner import durations, options, predispatch, reports
 from pytest_fp32keep.runner.devices import count_cuda_devices, nccl_shortfall
 from pytest_fp32keep.runner.flight import Flight
 from pytest_fp32keep.runner.launcher import LaunchError, LaunchSpec, RankGroup, shutdown_all
@@ -95,6 +96,7 @@ class Fsdp2Controller:
         self._launch_failures: dict[GroupKey, tuple[int, str]] = {}
         self._cuda_devices: int | None = None
         self._launches = 0
+        self._clock = durations.PhaseClock()  # start-up and wall time of the test reported
         self._run_root = RunRoot(config)
         atexit.register(self.kill_all)
 
@@ -117,7 +119,8 @@ class Fsdp2Controller:
             return None
         ihook = item.ihook
         ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-        for report in self._reports_for(item, nextitem):
+        self._clock.reset()
+        for report in self._clock.timed(item.nodeid, self._reports_for(item, nextitem)):
             ihook.pytest_runtest_logreport(report=report)
         self._teardown_parent_collectors(item, nextitem)
         ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
@@ -227,7 +230,7 @@ class Fsdp2Controller:
         if settings.isolated:
             group = self._launch(key, (str(item.path),), settings)
             try:
-                flight = self._start(group, item.nodeid, None, settings.timeout)
+                flight = self._start(group, item.nodeid, None, settings)
                 self._await(group, flight)
             finally:
                 if group in self._live:
@@ -239,7 +242,7 @@ class Fsdp2Controller:
 
         group = self._shared_group(key, settings)
         next_nodeid = self._next_nodeid(item, nextitem)
-        flight = self._start(group, item.nodeid, next_nodeid, settings.timeout)
+        flight = self._start(group, item.nodeid, next_nodeid, settings)
         return self._after_shared(item, nextitem, info, key, group, flight)
 
     def _after_shared(
@@ -283,7 +286,7 @@ class Fsdp2Controller:
         if not group.usable() or not predispatch.may_send(item, nextitem, self._config):
             return
         after = self._next_nodeid_by_id(nextitem.nodeid, self._following[nextitem.nodeid])
-        flight = self._start(group, nextitem.nodeid, after, settings.timeout)
+        flight = self._start(group, nextitem.nodeid, after, settings)
         self._pending = predispatch.Predispatched(nextitem.nodeid, group, flight)
 
     def _settle_pending(self, item: pytest.Item | None) -> predispatch.Predispatched | None:
@@ -423,11 +426,14 @@ class Fsdp2Controller:
             pg_timeout=self._longest_timeout(key, settings) + PG_TIMEOUT_MARGIN_S,
             ready_timeout=max(settings.timeout, MIN_READY_TIMEOUT_S),
         )
+        began = time.monotonic()
         try:
             group = RankGroup.start(spec)
         except LaunchError as exc:
             self._launch_failures[key] = (failures + 1, str(exc))
             raise
+        finally:
+            self._clock.launched(time.monotonic() - began)
         self._launch_failures.pop(key, None)
         self._live.append(group)
         return group
@@ -449,12 +455,12 @@ class Fsdp2Controller:
     # --- dispatch --------------------------------------------------------------------------
 
     def _start(
-        self, group: RankGroup, nodeid: str, next_nodeid: str | None, timeout: float
+        self, group: RankGroup, nodeid: str, next_nodeid: str | None, run: options.ItemSettings
     ) -> Flight:
-        """Send one test to every rank of ``group``."""
+        """Send one test to every rank of ``group``, timed out as ``run`` says."""
         flight = Flight(group, nodeid, self._config)
         try:
-            flight.start(next_nodeid, seed_for(nodeid), timeout)
+            flight.start(next_nodeid, seed_for(nodeid), run.timeout, run.timeout_from)
         except BaseException:
             self._discard_group(group)
             raise
@@ -468,6 +474,7 @@ class Fsdp2Controller:
             # Ctrl-C (or anything unforeseen) while ranks run: never leave them behind.
             self._discard_group(group)
             raise
+        self._clock.waited(flight.nodeid, flight.waited)
         if flight.broken:
             flight.collect_faults()
             self._discard_group(group)

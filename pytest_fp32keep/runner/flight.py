@@ -75,7 +75,9 @@ class Flight:
         self.stop: _Stop | None = None
         self.stop_detail = ""
         self.timeout = 0.0
+        self.timeout_from = ""  # the timeout and where it was set (options.timeout_words)
         self.started = 0.0  # monotonic time the test was sent to the ranks
+        self.waited = 0.0  # seconds from the send to the end of the wait (its wall time)
         self.group_broken = False  # a rank said its process group cannot serve another test
         self.departures: dict[int, Departure] = {}  # ranks that left early: when, how
         self.blocked: dict[int, Blocked] = {}  # what each running rank said it is blocked in
@@ -97,9 +99,13 @@ class Flight:
             if not outcome.finished and rank not in self.ended_at
         ]
 
-    def start(self, next_nodeid: str | None, seed: int, timeout: float) -> None:
-        """Send the test to every rank; its ``timeout`` counts from now."""
+    def start(
+        self, next_nodeid: str | None, seed: int, timeout: float, timeout_from: str = ""
+    ) -> None:
+        """Send the test to every rank; its ``timeout`` counts from now; ``timeout_from`` says
+        it and where it was set, for the report of a hang."""
         self.timeout = timeout
+        self.timeout_from = timeout_from or f"{timeout:g} s"
         # Read before the test runs: a SIGKILL with a rise since is the OOM killer's.
         self.oom_before = oom.read_counts(set(self.group.oom_counters.values()))
         selector = self.group.selector()
@@ -161,6 +167,8 @@ class Flight:
             # turn it into this test's failure, with the ranks' stacks, instead of a crash.
             self.stop = _Stop.INTERRUPTED
             self.stop_detail = str(exc)
+        finally:
+            self.waited = time.monotonic() - start
 
     def _peers_stuck(self, progress: CpuProgress, failure_seen: float, now: float) -> bool:
         """Whether the ranks still running are stuck after one left (``stuck`` judges)."""
@@ -322,9 +330,9 @@ class Flight:
         dead = ", ".join(str(r) for r in self.ended_at if not self.outcomes[r].finished) or "?"
         if self.stop == _Stop.TIMEOUT:
             kind = "timeout"
-            summary = f"still running after --fsdp-timeout={self.timeout:g} s"
+            summary = f"still running after {self.timeout_from}"
             detail = (
-                f"was still running after --fsdp-timeout={self.timeout:g} s; "
+                f"was still running after {self.timeout_from}; "
                 "killed (the next test gets fresh ranks)"
             )
         elif self.stop == _Stop.AFTER_EARLY_EXIT:

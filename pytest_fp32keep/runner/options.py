@@ -93,6 +93,8 @@ class SessionSettings:
         max_nproc: the most ranks a marked test may start (``None``: no cap).
         max_nproc_from: where the cap was set (the option, the environment variable, the ini
             key), for the reason of the tests it skips.
+        timeout_from: the timeout and where it was set, as a hang's report says it
+            (:func:`timeout_words`).
     """
 
     nproc: int = DEFAULT_NPROC
@@ -100,6 +102,7 @@ class SessionSettings:
     timeout: float = DEFAULT_TIMEOUT_S
     max_nproc: int | None = None
     max_nproc_from: str = ""
+    timeout_from: str = f"{DEFAULT_TIMEOUT_S:g} s (the default of --fsdp-timeout)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,12 +114,15 @@ class ItemSettings:
         backend: the requested backend (``"auto"`` is resolved later, by device count).
         isolated: the test gets fresh ranks, started and torn down for it alone.
         timeout: seconds before the ranks are dumped and killed.
+        timeout_from: the timeout and where it was set (the marker's ``timeout=``, else the
+            session's :attr:`SessionSettings.timeout_from`), as a hang's report says it.
     """
 
     nproc: int
     backend: str
     isolated: bool
     timeout: float
+    timeout_from: str = ""
 
 
 class MarkerError(ValueError):
@@ -253,6 +259,29 @@ def raise_for(where: str, problem: str) -> None:
     raise pytest.UsageError(f"{where}: {problem}")
 
 
+def timeout_words(seconds: float, where: str) -> str:
+    """The timeout as a hang's report says it: ``--fsdp-timeout=5 s`` where an option set it,
+    else the seconds and where they came from (``8 s (@pytest.mark.fsdp2(timeout=8))``)."""
+    if where.startswith("-"):
+        return f"{where} s"
+    return f"{seconds:g} s ({where})"
+
+
+def ini_value(config: pytest.Config, key: str) -> tuple[object, str] | None:
+    """The ini key's value and where it came from: pytest's ``-o key=value`` (named as the
+    user typed it, for it is not in any file), else the ini file; ``None`` where unset."""
+    overrides = config.getoption("override_ini", None) or []
+    for override in reversed(overrides):  # as in pytest: the last -o of a key wins
+        name, _, value = str(override).partition("=")
+        if name.strip() == key:
+            return value, f"-o {key}={value}"
+    ini = config.getini(key)
+    if ini in ("", None):
+        return None
+    inipath = f" in {config.inipath}" if config.inipath else ""
+    return ini, f"ini key '{key}'{inipath}"
+
+
 def session_settings(config: pytest.Config) -> SessionSettings:
     """Resolve the session defaults: command line, else ini key, else built in.
 
@@ -261,7 +290,6 @@ def session_settings(config: pytest.Config) -> SessionSettings:
 
     Raises ``pytest.UsageError`` naming the option, variable or ini key of a bad value.
     """
-    inipath = f" in {config.inipath}" if config.inipath else ""
 
     def pick(dest: str, option: str, env: str | None = None) -> tuple[object, str] | None:
         cli = config.getoption(dest)
@@ -269,22 +297,21 @@ def session_settings(config: pytest.Config) -> SessionSettings:
             return cli, f"{option}={cli}"
         if env is not None and os.environ.get(env, "").strip():
             return os.environ[env], f"environment variable {env}={os.environ[env]}"
-        ini = config.getini(dest)
-        if ini not in ("", None):
-            return ini, f"ini key '{dest}'{inipath}"
-        return None
+        return ini_value(config, dest)
 
     nproc, backend, timeout = DEFAULT_NPROC, DEFAULT_BACKEND, DEFAULT_TIMEOUT_S
+    timeout_from = SessionSettings.timeout_from
     if (raw := pick(_INI_NPROC, _OPTION_NPROC)) is not None:
         nproc = validate_nproc(*raw)
     if (raw := pick(_INI_BACKEND, _OPTION_BACKEND)) is not None:
         backend = validate_backend(*raw)
     if (raw := pick(_INI_TIMEOUT, _OPTION_TIMEOUT)) is not None:
         timeout = validate_timeout(*raw)
+        timeout_from = timeout_words(timeout, raw[1])
     max_nproc, max_nproc_from = None, ""
     if (raw := pick(_INI_MAX_NPROC, _OPTION_MAX_NPROC, ENV_MAX_NPROC)) is not None:
         max_nproc, max_nproc_from = validate_nproc(*raw), raw[1]
-    return SessionSettings(nproc, backend, timeout, max_nproc, max_nproc_from)
+    return SessionSettings(nproc, backend, timeout, max_nproc, max_nproc_from, timeout_from)
 
 
 def validate_launcher(value: object, where: str) -> str:
@@ -303,11 +330,8 @@ def launcher_setting(config: pytest.Config) -> str:
     cli = config.getoption(_INI_LAUNCHER)
     if cli is not None:
         return validate_launcher(cli, f"{_OPTION_LAUNCHER}={cli}")
-    ini = config.getini(_INI_LAUNCHER)
-    if ini in ("", None):
-        return DEFAULT_LAUNCHER
-    inipath = f" in {config.inipath}" if config.inipath else ""
-    return validate_launcher(ini, f"ini key '{_INI_LAUNCHER}'{inipath}")
+    ini = ini_value(config, _INI_LAUNCHER)
+    return DEFAULT_LAUNCHER if ini is None else validate_launcher(*ini)
 
 
 def is_marked(item: pytest.Item) -> bool:
@@ -352,10 +376,13 @@ def item_settings(item: pytest.Item, session: SessionSettings) -> ItemSettings:
     isolated = False
     if "isolated" in kwargs:
         isolated = validate_isolated(kwargs["isolated"], arg_where("isolated"))
-    timeout = session.timeout
+    timeout, timeout_from = session.timeout, session.timeout_from
     if kwargs.get("timeout") is not None:
         timeout = validate_timeout(kwargs["timeout"], arg_where("timeout"))
-    return ItemSettings(nproc=nproc, backend=backend, isolated=isolated, timeout=timeout)
+        timeout_from = timeout_words(
+            timeout, f"@pytest.mark.{MARKER_NAME}(timeout={kwargs['timeout']!r})"
+        )
+    return ItemSettings(nproc, backend, isolated, timeout, timeout_from)
 
 
 def _case_nproc(item: pytest.Item, sizes: tuple[int, ...], where: str) -> int:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from pytest_fp32keep.check import families
 from pytest_fp32keep.check.cli import main
-from pytest_fp32keep.check.families import entries
+from pytest_fp32keep.check.families import entries, shrink
 from tests.error_bounds import PARENT_BOUND_S, within
 
 #: An override no T5Config accepts: the family stops building (a known-wrong shrink).
@@ -32,6 +35,31 @@ def test_unknown_family_is_an_error_before_any_rank(capsys: pytest.CaptureFixtur
     err = capsys.readouterr().err
     assert "fp32keep check: error: unknown --family 'no_such_family'" in err
     assert "fp32keep check --list --all-families" in err
+
+
+@pytest.mark.parametrize(
+    ("name", "close"),
+    [("nonsense", None), ("gpt_os", "gpt_oss"), ("t55", "t5")],
+    ids=["nothing-close", "gpt_oss", "t5"],
+)
+def test_an_unknown_family_is_named_with_close_names_and_no_path(
+    capsys: pytest.CaptureFixture[str], name: str, close: str | None
+) -> None:
+    """Issue 36: ``--family nonsense`` printed a 276-column line with the absolute path of
+    ``transformers/models``."""
+    with within(PARENT_BOUND_S):
+        code = main(["check", "--family", name])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fp32keep check: error:"), err
+    assert f"unknown --family {name!r} (not a model family of the installed Transformers" in err
+    assert "fp32keep check --list --all-families" in err
+    assert "/" not in err.replace("--", ""), err  # no path (of transformers or anything else)
+    assert max(len(line) for line in err.splitlines()) < 200, err
+    if close is None:  # negative control: nothing close is offered where nothing is close
+        assert "close names" not in err, err
+    else:
+        assert f"close names: {close}" in err, err
 
 
 @pytest.mark.usefixtures("broken_t5")
@@ -74,3 +102,65 @@ def test_no_family_builds_exits_1_with_the_rows(capsys: pytest.CaptureFixture[st
     out = capsys.readouterr().out
     assert "family/t5: not buildable (build: " in out and "no-such-activation" in out
     assert "0 passed, 0 failed, 1 not buildable" in out
+
+
+class Heard(logging.Handler):
+    """What Transformers' loggers let through (what it would print), whatever captures
+    stderr; each build may warn again (Transformers warns once per process, an ``lru_cache``
+    of ``Logger.warning_once`` that is cleared here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def build(self, config_class: type) -> str:
+        import transformers  # noqa: F401  (adds warning_once to logging.Logger)
+
+        logging.Logger.warning_once.cache_clear()  # type: ignore[attr-defined]
+        self.lines.clear()
+        shrink.tiny_config(config_class)
+        return "\n".join(self.lines)
+
+
+@pytest.fixture
+def heard() -> Iterator[Heard]:
+    handler = Heard()
+    logging.getLogger("transformers").addHandler(handler)
+    yield handler
+    logging.getLogger("transformers").removeHandler(handler)
+
+
+def test_list_prints_no_transformers_config_warnings(
+    heard: Heard, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 36: ``--list --all-families`` printed Transformers' advice about the shrunk configs
+    ("pad_token_id must be ... within the vocabulary", MusicGen's among them)."""
+    from transformers import MusicgenDecoderConfig
+    from transformers.utils import logging as transformers_logging
+
+    verbosity = transformers_logging.get_verbosity()
+    assert "within the vocabulary" not in heard.build(MusicgenDecoderConfig)
+    assert transformers_logging.get_verbosity() == verbosity  # silenced while building only
+    # an error Transformers logs while a config is built still shows; its warnings do not
+    with shrink.quiet_config():
+        logger = transformers_logging.get_logger("transformers.configuration_utils")
+        assert logger.isEnabledFor(logging.ERROR)
+        assert not logger.isEnabledFor(logging.WARNING)
+    # negative control: unsilenced, the same shrunk config does warn
+    monkeypatch.setattr(shrink, "quiet_config", contextlib.nullcontext)
+    assert "within the vocabulary" in heard.build(MusicgenDecoderConfig)
+
+
+def test_list_of_a_family_whose_config_warns_prints_its_row_only(
+    heard: Heard, capsys: pytest.CaptureFixture[str]
+) -> None:
+    logging.Logger.warning_once.cache_clear()  # type: ignore[attr-defined]
+    families.family_pick.cache_clear()  # built again, here
+    families.probe.cache_clear()
+    with within(PARENT_BOUND_S):
+        assert main(["check", "--list", "--family", "musicgen"]) == 0
+    assert "family/musicgen  (" in capsys.readouterr().out
+    assert not [line for line in heard.lines if "within the vocabulary" in line], heard.lines

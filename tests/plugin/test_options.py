@@ -150,6 +150,34 @@ def test_command_line_overrides_ini(pytester: pytest.Pytester) -> None:
     result.stderr.fnmatch_lines(["ERROR: --fsdp-backend=bogus: expected one of*"])
 
 
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("fsdp_nproc=0", "-o fsdp_nproc=0: expected a positive integer"),
+        ("fsdp_timeout=never", "-o fsdp_timeout=never: expected a positive number"),
+        ("fsdp_launcher=mpi", "-o fsdp_launcher=mpi: expected one of auto, local, external"),
+    ],
+    ids=["nproc", "timeout", "launcher"],
+)
+def test_a_bad_override_ini_value_is_named_as_typed_not_blamed_on_the_ini_file(
+    pytester: pytest.Pytester, override: str, named: str
+) -> None:
+    """Issue 36: ``-o fsdp_nproc=0`` was reported as the ini key in pyproject.toml."""
+    key, value = override.split("=")
+    pytester.makepyprojecttoml(f"[tool.pytest.ini_options]\n{key} = '1'\n")
+    pytester.makepyfile("def test_nothing(): pass")
+    with within(PARENT_BOUND_S):
+        result = pytester.runpytest("-o", override)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: {named}*"])
+    assert "pyproject.toml" not in result.stderr.str()
+    # negative control: the same bad value in the file is still named by its key and file
+    pytester.makepyprojecttoml(f"[tool.pytest.ini_options]\n{key} = '{value}'\n")
+    result = pytester.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: ini key '{key}' in *pyproject.toml: *"])
+
+
 def test_invalid_marker_arguments_are_errors_of_their_tests(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         test_bad="""

@@ -25,6 +25,7 @@ from pytest_fp32keep.check.families.discovery import (
     candidate_families,
     class_order,
     is_candidate,
+    mentioning_families,
     models_dir,
 )
 from pytest_fp32keep.check.families.overrides import OVERRIDES, SAME_LAYOUT_AS, STOCHASTIC
@@ -145,14 +146,27 @@ def check_family_names(names: list[str]) -> None:
     why = []
     for name in names:
         if not (folder / name).is_dir():
-            why.append(f"{name!r} (no folder {name} under {folder})")
+            why.append(f"{name!r} (not a model family of the installed Transformers{_near(name)})")
         elif not listed(name):
             why.append(f"{name!r} (its built model keeps nothing at fp16 or bf16 here)")
     if why:
         raise FamilyError(
-            f"unknown --family {'; '.join(why)}: `fp32keep check --list --all-families` lists "
-            "the families of the installed Transformers whose model keeps a tensor"
+            f"unknown --family {'; '.join(why)}; `fp32keep check --list --all-families` lists "
+            "those it checks"
         )
+
+
+def _near(name: str) -> str:
+    """``; close names: ...`` for a mistyped family: the closest families whose code mentions a
+    keep list (read as text, nothing built), else any model folder; ``""`` where none is close."""
+    import difflib
+
+    folders = sorted(path.name for path in models_dir().iterdir() if path.is_dir())
+    for known in (mentioning_families(), folders):
+        close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+        if close:
+            return "; close names: " + ", ".join(close)
+    return ""
 
 
 def _model_class(family: str) -> type:

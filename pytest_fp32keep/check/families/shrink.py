@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -386,11 +387,33 @@ def _split(total: int, parts: int) -> list[int]:
     return [base + (1 if index < extra else 0) for index in range(parts)]
 
 
+@contextlib.contextmanager
+def quiet_config() -> Iterator[None]:
+    """Transformers' warnings about a config being built here, silenced; its errors still show.
+
+    A default config, and even more a shrunk one, trips Transformers' advice meant for a user's
+    own config ("pad_token_id must be ... within the vocabulary", sub-configs "initialized with
+    default values"): one line per family would bury ``--list --all-families``. An exception, and
+    a message Transformers logs as an error, still reach the user.
+    """
+    from transformers.utils import logging as transformers_logging
+
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+
+
 def default_config(config_class: Any) -> Any:
     """``config_class``'s default config: ``config_class()``, given the sub-configs it requires
     but does not default (:data:`.overrides.DEFAULT_SUB_CONFIGS`, by their model types)."""
     subs = DEFAULT_SUB_CONFIGS.get(config_class.__name__, {})
-    return config_class(**{key: {"model_type": kind} for key, kind in subs.items()})
+    with quiet_config():
+        return config_class(**{key: {"model_type": kind} for key, kind in subs.items()})
 
 
 def tiny_config(config_class: Any, overrides: Mapping[str, Any] | None = None) -> Any:
@@ -402,7 +425,8 @@ def tiny_config(config_class: Any, overrides: Mapping[str, Any] | None = None) -
     before = copy.deepcopy(tree)
     shrink_dict(tree, overrides or {}, [VOCAB])
     follow_widths(before, tree)
-    config = config_class.from_dict(tree)
+    with quiet_config():
+        config = config_class.from_dict(tree)
     set_eager(config)
     return config
 
