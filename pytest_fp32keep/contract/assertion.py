@@ -62,6 +62,7 @@ from pytest_fp32keep.contract.kept import (
 from pytest_fp32keep.contract.master import validate_master_dtype
 from pytest_fp32keep.contract.own_warnings import own_sharding_warnings
 from pytest_fp32keep.contract.report import ContractReport, ContractViolation, Finding
+from pytest_fp32keep.contract.scale import validate_gradient_divide_factor
 from pytest_fp32keep.contract.sequence import Setup, Steps, build_models
 from pytest_fp32keep.contract.steps import (
     CastFn,
@@ -73,6 +74,7 @@ from pytest_fp32keep.contract.steps import (
     describe_context,
     device_of,
     master_cast,
+    validate_mesh,
 )
 from pytest_fp32keep.contract.verdicts import STEPS, Agreement, plan_account, plan_problem
 
@@ -98,6 +100,7 @@ def assert_fp32_keep_contract(
     measure_spread: bool = False,
     load_on_every_rank: bool = False,
     expect_kept: int | None = None,
+    gradient_divide_factor: float | None = None,
 ) -> ContractReport:
     """Check the FP32-keep contract for one model; call it in every rank of ``mesh``.
 
@@ -108,7 +111,11 @@ def assert_fp32_keep_contract(
             its config or its dtype: a mapping of keyword arguments, a tuple of
             positional arguments, or one tensor. Every rank must build the same batch: the
             ranks compare a hash of each entry's shape, dtype and bytes before anything runs.
-        mesh: the 1-D data-parallel mesh (the ``fsdp2_mesh`` fixture).
+        mesh: the data-parallel mesh: 1-D (FSDP; the ``fsdp2_mesh`` fixture, or one the
+            framework builds, e.g. ``init_device_mesh("cpu", (world,),
+            mesh_dim_names=("dp_shard",))`` or the sub-mesh ``mesh["dp_shard"]`` of its
+            ``("dp_replicate", "dp_shard")`` mesh) or 2-D (HSDP: replicate x shard). The
+            implementation and the control both shard on it; every rank of it runs the call.
         dtype: the low-precision dtype: the compute dtype, and the storage dtype of the tensors
             that are not kept (unless ``master_dtype`` says otherwise).
         autocast: run forward under ``torch.autocast(dtype=dtype)`` (else directly).
@@ -148,6 +155,12 @@ def assert_fp32_keep_contract(
             the whole dict on each rank (nemo-automodel's); default: rank 0 only.
         expect_kept: fail (a ``kept count`` row) when fewer than this many tensor names are
             kept in FP32; a report that keeps nothing always says why in a note (:mod:`.kept`).
+        gradient_divide_factor: the gradient scale the implementation's units apply:
+            ``None``, FSDP2's default (the mean over the mesh's ranks); a positive number,
+            what they divide the summed gradient by (``FSDPModule.set_gradient_divide_factor``;
+            torchtitan's ``disable_fsdp_gradient_division`` sets 1.0, a sum). The expected
+            gradients are the reference's times ``world_size / gradient_divide_factor`` and the
+            control's units get the same factor (:mod:`.scale`).
 
     A model with no parameter that requires a gradient (a frozen reference or teacher model) is
     judged forward only: no backward runs, and the report's notes say that gradients were not
@@ -177,20 +190,23 @@ def assert_fp32_keep_contract(
             which tensor, expected against observed (a crash included), on every rank.
         KeepLayoutError: the default ``shard`` refused the layout on every rank (the contract's
             answer to a layout FSDP2 cannot keep, re-raised as is).
-        TypeError: ``load_on_every_rank`` is not a bool.
-        ValueError: ``master_dtype`` is neither ``None`` nor ``torch.float32``, or
-            ``expect_kept`` neither ``None`` nor a whole number (raised before anything is
-            built); or the ranks built different batches ("rank 1 built a different batch:
-            input_ids differ; ... seed your batch_factory") or keep plans, raised on every rank
-            before the model under test is cast.
+        TypeError: ``load_on_every_rank`` is not a bool, or ``mesh`` not a ``DeviceMesh``.
+        ValueError: ``master_dtype`` is neither ``None`` nor ``torch.float32``,
+            ``expect_kept`` neither ``None`` nor a whole number, ``gradient_divide_factor``
+            neither ``None`` nor a positive finite number, or ``mesh`` has neither one nor two
+            dimensions (raised before anything is built); or the ranks built different batches
+            ("rank 1 built a different batch: input_ids differ; ... seed your batch_factory")
+            or keep plans, raised on every rank before the model under test is cast.
     """
     master_dtype = validate_master_dtype(master_dtype)
     expect_kept = validate_expect_kept(expect_kept)
+    gradient_divide_factor = validate_gradient_divide_factor(gradient_divide_factor)
     if not isinstance(load_on_every_rank, bool):
         raise TypeError(
             f"assert_fp32_keep_contract(load_on_every_rank={load_on_every_rank!r}): pass True "
             "(the loader reads the checkpoint on every rank) or False (rank 0 holds it)"
         )
+    mesh = validate_mesh(mesh)
     if cast is default_cast and master_dtype is not None:
         cast = master_cast
     policy = mp_policy or MixedPrecisionPolicy(
@@ -211,6 +227,7 @@ def assert_fp32_keep_contract(
         load,
         measure_spread,
         load_on_every_rank,
+        gradient_divide_factor,
     )
     planned = [step for step in STEPS if step != "load" or check_state_dict]
     agreement = Agreement(mesh, planned)

@@ -45,6 +45,7 @@ from pytest_fp32keep.contract.fsdp_state import fsdp_units
 from pytest_fp32keep.contract.parity_policy import ControlMeasure, control_errors, control_spread
 from pytest_fp32keep.contract.policy import correct_policy
 from pytest_fp32keep.contract.reference import seeded
+from pytest_fp32keep.contract.scale import set_divide_factor
 from pytest_fp32keep.contract.steps import Run, device_of, forward_backward, master_cast
 
 __all__ = [
@@ -298,11 +299,13 @@ def control_run(
     loss_fn: Callable[[Any], torch.Tensor] | None,
     seed: int,
     observed: ParameterUse | None = None,
+    divide_factor: float | None = None,
 ) -> Run:
     """One run of the control: the model built under ``seed``, cast the correct way for
     ``master_dtype``, sharded into ``units`` with :func:`correct_policy`, run on ``batch``
     (deterministic algorithms on, as every run of the contract; ``observed``: what the
-    reference's forward used, for the methods each unit is gathered around)."""
+    reference's forward used, for the methods each unit is gathered around; ``divide_factor``:
+    the gradient divide factor the caller declared, given to every unit, :mod:`.scale`)."""
     device = device_of(mesh)
     with seeded(seed):
         model = model_factory().to(device)
@@ -311,6 +314,7 @@ def control_run(
     else:
         master_cast(model, dtype, plan)
     _shard_like(model, units, mesh=mesh, plan=plan, policy=policy, observed=observed)
+    set_divide_factor(model.modules(), mesh, divide_factor)
     return forward_backward(
         model, batch, autocast=autocast, device=device, dtype=dtype, loss_fn=loss_fn
     )

@@ -194,16 +194,28 @@ def unit_casts(
 
 
 def expected_grads(
-    grads: Mapping[str, torch.Tensor | None], storage: Mapping[str, torch.dtype]
+    grads: Mapping[str, torch.Tensor | None],
+    storage: Mapping[str, torch.dtype],
+    scale: float = 1.0,
 ) -> dict[str, torch.Tensor | None]:
     """The reference's gradients in the dtype each parameter is stored in, where FSDP2 leaves
     them: computed in the compute dtype, reduced in ``reduce_dtype``, stored in the parameter's
     dtype. Casting the compute-dtype gradient to the storage dtype is what that yields wherever
     the reduction is exact (an FP32 master's gradient is the upcast, exact; a bf16 gradient of an
-    fp16 parameter rounds once, as FSDP2's does)."""
+    fp16 parameter rounds once, as FSDP2's does).
+
+    ``scale`` (:func:`~.scale.gradient_scale`: ``world_size / factor`` for a framework's own
+    gradient divide factor) multiplies each gradient in float64 before that one cast, so a
+    power-of-two scale is exact and any other rounds once, to the stored dtype."""
+
+    def held(name: str, grad: torch.Tensor) -> torch.Tensor:
+        if scale == 1.0:
+            return grad.to(storage[name])
+        return (grad.to(torch.float64) * scale).to(storage[name])
+
     return {
         name: grad
         if grad is None or not grad.is_floating_point() or name not in storage
-        else grad.to(storage[name])
+        else held(name, grad)
         for name, grad in grads.items()
     }

@@ -45,6 +45,7 @@ from pytest_fp32keep.contract.parity_policy import ControlMeasure
 from pytest_fp32keep.contract.policy import cast_for_compute, expected_grads, unit_casts
 from pytest_fp32keep.contract.reference import build_unsharded_reference, seeded
 from pytest_fp32keep.contract.report import Finding
+from pytest_fp32keep.contract.scale import gradient_scale
 from pytest_fp32keep.contract.steps import (
     CastFn,
     LoadFn,
@@ -114,6 +115,7 @@ class Setup:
     load: LoadFn
     measure_spread: bool
     load_on_every_rank: bool = False
+    gradient_divide_factor: float | None = None  # None: FSDP2's mean (:mod:`.scale`)
 
 
 @dataclasses.dataclass
@@ -236,7 +238,8 @@ class Steps:
 
         expected, _ = self.agreement.step("reference", run)
         if expected is not None:
-            expected.grads = expected_grads(expected.grads, self.storage)
+            scale = gradient_scale(s.mesh, s.gradient_divide_factor)
+            expected.grads = expected_grads(expected.grads, self.storage, scale)
         self.expected = expected
 
     def run_model(self) -> None:
@@ -271,6 +274,7 @@ class Steps:
                 loss_fn=s.loss_fn,
                 seed=s.seed,
                 observed=self.used,
+                divide_factor=s.gradient_divide_factor,
             )
             return measure_control(
                 run,

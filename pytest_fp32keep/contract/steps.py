@@ -113,6 +113,29 @@ def default_load(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | None
 # --- devices and tensors -----------------------------------------------------------------------
 
 
+def validate_mesh(mesh: object) -> DeviceMesh:
+    """``mesh`` if FSDP2 can shard on it: a ``DeviceMesh`` of one dimension (FSDP) or two
+    (HSDP: replicate x shard); else a ``TypeError`` or ``ValueError`` naming it and the fix.
+
+    Refused here, before anything is built, because the control shards on the same mesh: a
+    mesh FSDP2 cannot use is the caller's, never a ``crashed shard`` row blamed on the
+    implementation."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"assert_fp32_keep_contract(mesh={mesh!r}): expected a torch DeviceMesh over the "
+            "data-parallel ranks (the fsdp2_mesh fixture, or init_device_mesh(...))"
+        )
+    if mesh.ndim not in (1, 2):
+        names = f" named {mesh.mesh_dim_names}" if mesh.mesh_dim_names else ""
+        raise ValueError(
+            f"assert_fp32_keep_contract(mesh=...): got a {mesh.ndim}-D mesh of shape "
+            f"{tuple(mesh.shape)}{names}; FSDP2 shards on a 1-D mesh (FSDP) or a 2-D one (HSDP: "
+            "replicate x shard): pass the data-parallel sub-mesh, e.g. mesh['dp_shard'] or "
+            "mesh['dp_replicate', 'dp_shard']"
+        )
+    return mesh
+
+
 def device_of(mesh: DeviceMesh) -> torch.device:
     """This rank's device in ``mesh``."""
     if mesh.device_type == "cuda":
