@@ -48,13 +48,17 @@ PRIVATE_READS: Mapping[str, str] = MappingProxyType(
 
 VERIFIED_TORCH: Mapping[str, str] = MappingProxyType(
     {
-        "2.9": "2.9.1: tests/test_torch_shims.py (every read present; the graph task seen "
-        "inside a backward hook and not outside it, a version counter bumped by an in-place "
-        "write); these reads, before they moved here, passed the torch-2.9 nox session "
-        "(docs/matrix.json)",
-        "2.13": "2.13.0+cpu: tests/test_torch_shims.py, tests/core/test_observed_use.py",
-        "2.15": "2.15.0+cu132: these reads, before they moved here, passed the torch-newest nox "
-        "session (docs/matrix.json); this shim's tests not yet run on it",
+        "2.9": "2.9.1: TorchDispatchMode in its torch/utils/_python_dispatch.py, "
+        "_current_graph_task_id in torch/_C/__init__.pyi; these reads (Tensor._version "
+        "included), before they moved here, passed the torch-2.9 nox session (docs/matrix.json); "
+        "this shim's tests not yet run on it",
+        "2.13": "2.13.0+cpu: tests/test_torch_shims.py, tests/core/test_observed_use.py, "
+        "tests/multirank/test_observed_use_fsdp2.py, test_load_meta_fsdp2.py",
+        "2.14": "2.14.1+cu130 (run on CPU): tests/test_torch_shims.py, "
+        "tests/core/test_observed_use.py, tests/multirank/test_observed_use_fsdp2.py, "
+        "test_load_meta_fsdp2.py",
+        "2.15": "2.15.0+cu132: tests/test_torch_shims.py, the 2.14 files; these reads, before "
+        "they moved here, passed the torch-newest nox session (docs/matrix.json)",
     }
 )
 """The torch releases (``major.minor``) these reads were verified on, and how."""

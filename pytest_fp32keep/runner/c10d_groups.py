@@ -41,13 +41,19 @@ PRIVATE_READS: tuple[str, ...] = (
 
 VERIFIED_TORCH: Mapping[str, str] = MappingProxyType(
     {
-        "2.9": "2.9.1: tests/test_torch_shims.py (a new group found under its name)",
-        "2.13": "2.13.0+cpu: tests/test_torch_shims.py, tests/multirank/test_waits.py",
-        "2.15": "2.15.0+cu132: these reads, before they moved here, passed the torch-newest "
-        "nox session (docs/matrix.json: tests/multirank/test_waits.py finds a pending "
-        "collective's group ranks through the registry) and tests/plugin in its venv "
-        "(bench/RESULTS.md: test_spmd.py's hang watch uses the default store); this shim's "
-        "tests not yet run on it",
+        "2.9": "2.9.1: its distributed_c10d.py defines _world (a _World with pg_names) and "
+        "_get_default_store; tests/multirank/test_waits.py, reading the registry before it moved "
+        "here, passed the torch-2.9 nox session (docs/matrix.json; tests/plugin, where the "
+        "default store is read, was not part of it); this shim's tests not yet run on it",
+        "2.13": "2.13.0+cpu: tests/test_torch_shims.py, tests/multirank/test_waits.py, "
+        "tests/plugin/test_spmd.py (the default store)",
+        "2.14": "2.14.1+cu130 (run on CPU): tests/test_torch_shims.py, "
+        "tests/multirank/test_waits.py",
+        "2.15": "2.15.0+cu132: tests/test_torch_shims.py, tests/multirank/test_waits.py; these "
+        "reads, before they moved here, passed the torch-newest nox session (docs/matrix.json: "
+        "tests/multirank/test_waits.py finds a pending collective's group ranks through the "
+        "registry) and tests/plugin in its venv (bench/RESULTS.md: test_spmd.py's hang watch "
+        "uses the default store)",
     }
 )
 """The torch releases (``major.minor``) these reads were verified on, and how."""
