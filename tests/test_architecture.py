@@ -228,6 +228,174 @@ def test_the_private_state_rule_catches_a_read(tmp_path: Path) -> None:
     }
 
 
+#: torch's other privates, by concern, as attributes read off any object (or named to getattr):
+#: each concern's shims name what they read (``PRIVATE_READS``) and the torch releases verified
+#: (``VERIFIED_TORCH``). The library and the runner may not import the plugin's shims, nor the
+#: contract the library's unexported ones, so a concern may have one shim per room.
+TORCH_PRIVATE_ATTRIBUTES = {
+    "nn.Module internals": frozenset(
+        {
+            "_apply",
+            "_backward_hooks",
+            "_buffers",
+            "_call_impl",
+            "_forward_hooks",
+            "_forward_pre_hooks",
+            "_load_state_dict_pre_hooks",
+            "_modules",
+            "_non_persistent_buffers_set",
+            "_parameters",
+            "_state_dict_hooks",
+        }
+    ),
+    "dispatch and autograd internals": frozenset(
+        {"_current_graph_task_id", "_get_current_dispatch_mode", "_python_dispatch", "_version"}
+    ),
+    "c10d Flight Recorder": frozenset(
+        {"_distributed_c10d", "_dump_fr_trace_json", "_dump_nccl_trace_json"}
+    ),
+    "process-group registry": frozenset(
+        {
+            "_get_default_group",
+            "_get_default_store",
+            "_get_process_group_name",
+            "_pg_map",
+            "_pg_names",
+            "_world",
+        }
+    ),
+}
+#: The project's own attributes that share a name with one of torch's (``self._world`` in
+#: ``runner/spmd.py``): read off ``self``, they are not torch's.
+OWN_ATTRIBUTES = frozenset({"_world"})
+TORCH_PRIVATE_SHIMS = {
+    "impl/fp32keep/_torch_modules.py": "nn.Module internals",
+    "impl/fp32keep/_torch_dispatch.py": "dispatch and autograd internals",
+    "pytest_fp32keep/contract/torch_dispatch.py": "dispatch and autograd internals",
+    "pytest_fp32keep/runner/c10d_recorder.py": "c10d Flight Recorder",
+    "pytest_fp32keep/runner/c10d_groups.py": "process-group registry",
+}
+#: Where a read of torch's privates would ship: the packages and the examples users copy.
+SHIPPED = ("impl", "pytest_fp32keep", "examples")
+_ACCESSORS = frozenset({"getattr", "hasattr", "setattr", "delattr"})
+
+
+def _private_torch_module(module: str) -> bool:
+    """A torch module under a private name, other than FSDP2's (the FSDP2 rule owns those)."""
+    parts = module.split(".")
+    return (
+        parts[0] == "torch"
+        and any(part.startswith("_") for part in parts)
+        and not module.startswith(FSDP2_PRIVATE_MODULES)
+    )
+
+
+def _torch_private_reads(path: Path) -> list[str]:
+    """``line: what`` for every read of torch's privates (other than FSDP2's) in ``path``."""
+    names = frozenset().union(*TORCH_PRIVATE_ATTRIBUTES.values())
+    found: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Attribute):
+            on_self = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            if node.attr in names and not (on_self and node.attr in OWN_ATTRIBUTES):
+                found.append(f"{node.lineno}: .{node.attr}")
+            elif (
+                isinstance(node.value, ast.Name)
+                and node.value.id == "torch"
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                found.append(f"{node.lineno}: torch.{node.attr}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            named = node.args[1] if node.func.id in _ACCESSORS and len(node.args) > 1 else None
+            if isinstance(named, ast.Constant) and named.value in names:
+                found.append(f"{node.lineno}: {node.func.id}(..., {named.value!r})")
+        elif isinstance(node, ast.Import):
+            found += [
+                f"{node.lineno}: import {alias.name}"
+                for alias in node.names
+                if _private_torch_module(alias.name)
+            ]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            private_names = [
+                a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")
+            ]
+            if _private_torch_module(node.module) or (
+                node.module.split(".")[0] == "torch" and private_names
+            ):
+                found.append(f"{node.lineno}: from {node.module} import")
+    return found
+
+
+def test_torch_privates_are_read_only_in_their_shims() -> None:
+    paths = [path for name in SHIPPED for path in _modules(ROOT / name)]
+    offences = {
+        relative: reads
+        for path in paths
+        if (relative := str(path.relative_to(ROOT))) not in TORCH_PRIVATE_SHIMS
+        and (reads := _torch_private_reads(path))
+    }
+    assert offences == {}, (
+        "read torch's privates through the shim of their concern (tests/test_architecture.py "
+        f"TORCH_PRIVATE_SHIMS), or use a public API: {offences}"
+    )
+
+
+@pytest.mark.parametrize("shim", sorted(TORCH_PRIVATE_SHIMS))
+def test_each_torch_shim_lists_its_reads_and_the_torch_it_was_verified_on(shim: str) -> None:
+    """A shim names what it reads and the releases verified (read, not imported: the values are
+    tested on the installed torch by each shim's own tests), and reads its concern."""
+    tree = ast.parse((ROOT / shim).read_text(encoding="utf-8"))
+    assigned = {
+        target.id
+        for node in tree.body
+        if isinstance(node, ast.AnnAssign | ast.Assign)
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Name)
+    }
+    assert {"PRIVATE_READS", "VERIFIED_TORCH"} <= assigned, shim
+    concern = TORCH_PRIVATE_ATTRIBUTES[TORCH_PRIVATE_SHIMS[shim]]
+    source = (ROOT / shim).read_text(encoding="utf-8")
+    assert any(name in source for name in concern), f"{shim} reads nothing of its concern"
+
+
+def test_the_torch_privates_rule_catches_a_read(tmp_path: Path) -> None:
+    """Negative control: every way the modules read torch's privates before their shims is
+    seen, and the project's own ``self._world`` is not."""
+    module = tmp_path / "bad.py"
+    module.write_text(
+        "from torch.utils._python_dispatch import TorchDispatchMode\n"
+        "import torch.utils._python_dispatch\n"
+        "from torch.distributed.distributed_c10d import _world\n"
+        "task = getattr(torch._C, '_current_graph_task_id', None)\n"
+        "c10d = torch._C._distributed_c10d\n"
+        "names = dist.distributed_c10d._world.pg_names\n"
+        "params = module._parameters.items()\n"
+        "keep = name in module._non_persistent_buffers_set\n"
+        "model._apply(fn)\n"
+        "version = tensor._version\n"
+        "code = nn.Module._call_impl.__code__\n"
+        "own = self._world.rank\n"
+    )
+    reads = _torch_private_reads(module)
+    assert {read.split(": ")[1] for read in reads} == {
+        "from torch.utils._python_dispatch import",
+        "import torch.utils._python_dispatch",
+        "from torch.distributed.distributed_c10d import",
+        "torch._C",
+        "getattr(..., '_current_graph_task_id')",
+        "._distributed_c10d",
+        "._world",
+        "._parameters",
+        "._non_persistent_buffers_set",
+        "._apply",
+        "._version",
+        "._call_impl",
+    }
+    assert not any(read.startswith("12:") for read in reads), reads  # self._world: the project's
+    assert len([read for read in reads if read.endswith("torch._C")]) == 2, reads
+
+
 def _exported(init: Path) -> frozenset[str]:
     """The names of the ``__all__`` list literal in ``init`` (read, not imported)."""
     for node in ast.parse(init.read_text(encoding="utf-8")).body:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fp32keep._torch_modules import rebind_buffer
 from fp32keep.errors import hidden_in_tracebacks
 from fp32keep.plan import KeepPlan, resolve_keep_plan
 from fp32keep.plan_use import check_plan_fits, check_plan_for_cast
@@ -69,7 +70,7 @@ def keep_aware_cast(
             # A buffer is rebound, not mutated: every alias must point at the one new tensor.
             if id(tensor) not in replaced:
                 replaced[id(tensor)] = tensor.to(target) if tensor.dtype != target else tensor
-            module._buffers[attribute] = replaced[id(tensor)]
+            rebind_buffer(module, attribute, replaced[id(tensor)])
     return model
 
 

@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from fp32keep._torch_dispatch import version_counter
 from fp32keep.devices import collective_device
 from fp32keep.errors import (
     Fp32KeepError,
@@ -141,7 +142,7 @@ def _size_problem(arguments: tuple[object, ...]) -> tuple[type[Fp32KeepError], s
 
 def _written(before: tuple[torch.Tensor, int], after: torch.Tensor) -> bool:
     tensor, version = before
-    return not after.is_meta and (after is not tensor or after._version != version)
+    return not after.is_meta and (after is not tensor or version_counter(after) != version)
 
 
 MATERIALISED = "; nothing was loaded (the meta tensors were materialised, uninitialised)"
@@ -200,7 +201,7 @@ def _prepare(
                 raise fresh.error
             fresh = Fresh()
             targets = collect_targets(model)
-            before = {i: (targets[i].local, targets[i].local._version) for i in needed}
+            before = {i: (targets[i].local, version_counter(targets[i].local)) for i in needed}
             layout = fingerprint(targets)
             try:
                 init_buffers(model)

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fp32keep._torch_modules import apply_to_tensors
 from fp32keep.errors import hidden_in_tracebacks
 from fp32keep.load_move import Target
 
@@ -83,7 +84,7 @@ class Fresh:
             return made[id(tensor)]
 
         try:
-            model._apply(materialize)  # type: ignore[no-untyped-call]  # unannotated in torch
+            apply_to_tensors(model, materialize)
             for key, (_, received) in zip(self.keys, self.storage.values(), strict=True):
                 installed = _registered_local(model, key)
                 if not _same_memory(installed, received):

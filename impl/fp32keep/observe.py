@@ -36,8 +36,9 @@ from typing import Any, NamedTuple, TypeAlias
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from fp32keep._torch_dispatch import TorchDispatchMode, backward_running
+from fp32keep._torch_modules import call_impl_code
 from fp32keep.errors import Fp32KeepValueError, hidden_in_tracebacks
 from fp32keep.reads import DirectRead
 from fp32keep.tensors import check_module
@@ -52,7 +53,7 @@ Frame: TypeAlias = tuple[str, str]
 Stack: TypeAlias = tuple[Frame, ...]
 """The model's frames at one use of a parameter, outermost first."""
 
-_CALL_CODE = nn.Module._call_impl.__code__
+_CALL_CODE = call_impl_code()
 
 
 class UnitMembers(NamedTuple):
@@ -228,6 +229,9 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __init__(self, model: nn.Module, use: ParameterUse) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self._use = use
+        # autograd's engine runs backward operators with no model code on the stack; a use
+        # there says nothing about forward
+        self._in_backward = backward_running()
         self._param_of: dict[int, tuple[nn.Parameter, str]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
             self._param_of.setdefault(id(param), (param, name))
@@ -243,7 +247,7 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     ) -> Any:
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
-        if _in_backward():
+        if self._in_backward():
             return result
         used = self._params_in(args) | self._params_in(kwargs.values())
         stack = self._stack(sys._getframe(1)) if used else ()
@@ -286,15 +290,6 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             plumbing = code.co_name == CALL or code.co_filename == _CALL_CODE.co_filename
             self._methods[key] = code.co_name if body is code and not plumbing else None
         return self._methods[key]
-
-
-# autograd's engine runs backward operators with no model code on the stack; a use there says
-# nothing about forward. torch tells whether a backward graph task is running on this thread.
-_GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", None)
-
-
-def _in_backward() -> bool:
-    return _GRAPH_TASK is not None and _GRAPH_TASK() != -1
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:

@@ -23,6 +23,7 @@ from typing import Any
 
 from torch import nn
 
+from fp32keep._torch_modules import own_buffers, own_children, own_parameters
 from fp32keep.errors import hidden_in_tracebacks
 
 #: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
@@ -121,7 +122,7 @@ def _attribute(obj: Any, name: str) -> Any:
     """``obj.name`` without running code (no property, no ``__getattr__`` of anything but a
     module's registered children, parameters and buffers)."""
     if isinstance(obj, nn.Module):
-        for registry in (obj._parameters, obj._modules, obj._buffers):
+        for registry in (own_parameters(obj), own_children(obj), own_buffers(obj)):
             if name in registry:
                 return registry[name]
     return vars(obj).get(name, _UNRESOLVED) if hasattr(obj, "__dict__") else _UNRESOLVED

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fp32keep._torch_modules import non_persistent_buffers, own_buffers, own_parameters
 from fp32keep.errors import Fp32KeepTypeError, Fp32KeepValueError, hidden_in_tracebacks
 from fp32keep.reprs import clipped_repr
 
@@ -131,7 +132,7 @@ def tensor_slots(model: nn.Module) -> list[TensorSlot]:
         tensors[id(buffer)] = buffer
         kinds[id(buffer)] = False
         owner, leaf = _split(fqn)
-        if leaf not in modules[owner]._non_persistent_buffers_set:
+        if leaf not in non_persistent_buffers(modules[owner]):
             persistent[id(buffer)] = True
     return [
         TensorSlot(tuple(names[key]), tensors[key], kinds[key], kinds[key] or persistent[key])
@@ -142,10 +143,10 @@ def tensor_slots(model: nn.Module) -> list[TensorSlot]:
 def iter_owned(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, torch.Tensor, bool]]:
     """Yield ``(module_fqn, module, attribute, tensor, is_param)`` for every alias."""
     for module_fqn, module in model.named_modules(remove_duplicate=False):
-        for attribute, param in module._parameters.items():
+        for attribute, param in own_parameters(module).items():
             if param is not None:
                 yield module_fqn, module, attribute, param, True
-        for attribute, buffer in module._buffers.items():
+        for attribute, buffer in own_buffers(module).items():
             if buffer is not None:
                 yield module_fqn, module, attribute, buffer, False
 

@@ -6,7 +6,8 @@ forward/backward run in :mod:`.steps`, one module per check family under :mod:`.
 gradient noise policy in :mod:`.parity_policy`, the parity control in :mod:`.control`, torch's
 deterministic algorithms around every run in :mod:`.determinism`), the dtype recorder
 :class:`DtypeProbe` (:mod:`.probe`), the unsharded reference model (:mod:`.reference`), and the
-one module that reads FSDP2's private state (:mod:`.fsdp_state`).
+one module that reads FSDP2's private state (:mod:`.fsdp_state`) and the one that imports torch's
+private ``TorchDispatchMode`` (:mod:`.torch_dispatch`).
 
 It runs in whatever process group the caller has set up and may import torch, Transformers and
 :mod:`fp32keep`; it never imports :mod:`pytest_fp32keep.runner` or :mod:`pytest_fp32keep.check`,

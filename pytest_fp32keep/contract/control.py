@@ -270,7 +270,8 @@ def _untie_across_units(model: nn.Module, units: tuple[Unit, ...]) -> dict[str, 
         copies: dict[int, nn.Parameter] = {}
         for slot in sorted(unit.slots):
             module, name = _attribute(model, slot)
-            param = module._parameters.get(name)
+            # the parameter registered directly under that name (None: none, or not a parameter)
+            param = dict(module.named_parameters(recurse=False, remove_duplicate=False)).get(name)
             if param is None:
                 continue
             first_index, first_slot = claimed.setdefault(id(param), (index, slot))

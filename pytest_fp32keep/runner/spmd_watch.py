@@ -21,6 +21,8 @@ import traceback
 from types import FrameType
 from typing import Any, Final
 
+from pytest_fp32keep.runner.c10d_groups import default_store
+
 #: How long rank 0 waits for the other ranks' stacks once its own timer fired.
 GRACE_S: Final = 20.0
 #: Exit status of a rank whose test did not finish in time (pytest's "interrupted").
@@ -34,11 +36,11 @@ class HangWatch:
     """One rank's timer over the test it runs; see the module docstring."""
 
     def __init__(self, rank: int, world_size: int, launcher: str, terminal_fd: int) -> None:
-        from torch.distributed.distributed_c10d import PrefixStore, _get_default_store
+        from torch.distributed.distributed_c10d import PrefixStore
 
         # The store the default group was initialised from (torchrun's agent store, or the one
         # rank 0 hosts under srun): the only channel a thread can use while collectives hang.
-        self._store = PrefixStore(_PREFIX, _get_default_store())
+        self._store = PrefixStore(_PREFIX, default_store())
         self._rank = rank
         self._world_size = world_size
         self._launcher = launcher

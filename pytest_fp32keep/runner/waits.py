@@ -21,12 +21,12 @@ returned) and either
   asynchronously, a host thread spinning in a CUDA synchronisation behind one. The recorder
   also names that collective's process group, and so the ranks that must join it.
 
-The recorder's cheap per-group status (``_dump_*_trace_json(includeCollectives=False)``: tens of
-microseconds) is read first; the entries themselves (a few hundred milliseconds for torch's
-2000 entries under gloo) only when that status says something may be pending while the main
-thread stands still, and once per status. The status alone cannot be trusted under gloo, whose
-concurrent collectives can complete out of order and leave "last completed" behind for good
-(measured, torch 2.13); each entry's ``retired`` flag is exact.
+The recorder's cheap per-group status (its dumps, read through :mod:`.c10d_recorder`, with
+``includeCollectives=False``: tens of microseconds) is read first; the entries themselves (a few
+hundred milliseconds for torch's 2000 entries under gloo) only when that status says something
+may be pending while the main thread stands still, and once per status. The status alone cannot
+be trusted under gloo, whose concurrent collectives can complete out of order and leave "last
+completed" behind for good (measured, torch 2.13); each entry's ``retired`` flag is exact.
 
 A wait is reported (:func:`~pytest_fp32keep.runner.protocol.waiting`) once it has lasted one
 sample, and its end once it ends, so a test whose collectives complete promptly sends nothing.
@@ -58,6 +58,8 @@ from types import FrameType
 from typing import Any, Final
 
 from pytest_fp32keep.runner import protocol
+from pytest_fp32keep.runner.c10d_groups import group_names
+from pytest_fp32keep.runner.c10d_recorder import FlightRecorderError, recorder_dumps
 
 #: How often the watch samples the main thread while a test runs (and how long a wait lasts
 #: before it is reported).
@@ -65,8 +67,6 @@ WATCH_POLL_S: Final = 0.25
 #: The watch's thread function, by which stack dumps recognise (and drop) its thread.
 WATCH_THREAD_FUNCTION: Final = "_watch_main_thread"
 
-#: The Flight Recorder's JSON dumps: the generic one (gloo, CPU) and NCCL's, where built.
-_DUMPS: Final = ("_dump_fr_trace_json", "_dump_nccl_trace_json")
 #: torch's variables for the Flight Recorder's size, the name it prefers first (torch reads both,
 #: and the first one set wins).
 FLIGHT_RECORDER_SIZE_VARIABLES: Final = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
@@ -103,10 +103,11 @@ class Blocked:
 
 
 def _dump_functions() -> list[Callable[..., Any]]:
-    import torch
-
-    c10d = torch._C._distributed_c10d
-    return [fn for name in _DUMPS if (fn := getattr(c10d, name, None)) is not None]
+    """The Flight Recorder's dumps (:mod:`.c10d_recorder`); none on a torch without them."""
+    try:
+        return recorder_dumps()
+    except FlightRecorderError:  # judged by CPU time, as with the recorder switched off
+        return []
 
 
 def _read_dump(dump: Callable[..., Any], include_collectives: bool) -> dict[str, Any]:
@@ -152,7 +153,7 @@ def _group_ranks(name: str) -> tuple[int, ...] | None:
     import torch.distributed as dist
 
     try:
-        for group, group_name in dist.distributed_c10d._world.pg_names.items():
+        for group, group_name in group_names().items():
             if group_name == name:
                 return tuple(dist.get_process_group_ranks(group))
     except Exception:  # private bookkeeping of torch: without it the group is unknown

@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeAlias
 
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from pytest_fp32keep.contract.probe.records import Phase, TensorLeaf
+from pytest_fp32keep.contract.torch_dispatch import TorchDispatchMode
 
 ModuleSelector: TypeAlias = Callable[[str, nn.Module], bool] | Iterable[str] | str | None
 """Which modules to probe: ``None`` (all), a predicate ``(fqn, module) -> bool``, or FQNs."""
