@@ -138,9 +138,17 @@ def test_list_prints_no_transformers_config_warnings(
 ) -> None:
     """Issue 36: ``--list --all-families`` printed Transformers' advice about the shrunk configs
     ("pad_token_id must be ... within the vocabulary", MusicGen's among them)."""
+    import transformers
     from transformers import MusicgenDecoderConfig
     from transformers.utils import logging as transformers_logging
 
+    with monkeypatch.context() as unsilenced:  # the premise: this release's config warns
+        unsilenced.setattr(shrink, "quiet_config", contextlib.nullcontext)
+        if "within the vocabulary" not in heard.build(MusicgenDecoderConfig):
+            pytest.skip(
+                f"Transformers {transformers.__version__}: MusicGen's shrunk config logs no "
+                "warning to silence"
+            )
     verbosity = transformers_logging.get_verbosity()
     assert "within the vocabulary" not in heard.build(MusicgenDecoderConfig)
     assert transformers_logging.get_verbosity() == verbosity  # silenced while building only
@@ -157,6 +165,10 @@ def test_list_prints_no_transformers_config_warnings(
 def test_list_of_a_family_whose_config_warns_prints_its_row_only(
     heard: Heard, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    import transformers
+
+    if not entries.listed("musicgen"):
+        pytest.skip(f"Transformers {transformers.__version__}: MusicGen keeps nothing, not listed")
     logging.Logger.warning_once.cache_clear()  # type: ignore[attr-defined]
     families.family_pick.cache_clear()  # built again, here
     families.probe.cache_clear()

@@ -52,13 +52,11 @@ def test_a_plan_for_another_dtype_than_the_policy_is_refused_on_every_rank(
 
 
 def test_the_storage_plan_under_another_compute_dtype_is_sharded(mesh: DeviceMesh) -> None:
-    """Transformers' ``distributed_config``: loaded in fp16 (the fp16 plan), computed in bf16;
-    no plan given, it is resolved from the storage, which is right too."""
-    for given in (True, False):
-        model, plan = cast_stack(FP16)
-        policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32)
-        fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=policy, plan=plan if given else None)
-        assert isinstance(model, FSDPModule)
+    """Transformers' ``distributed_config``: loaded in fp16 (the fp16 plan), computed in bf16."""
+    model, plan = cast_stack(FP16)
+    policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32)
+    fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=policy, plan=plan)
+    assert isinstance(model, FSDPModule)
 
 
 def test_fp32_master_weights_with_the_policys_plan_are_sharded(mesh: DeviceMesh) -> None:
