@@ -17,8 +17,9 @@ collection finds a marked test:
    decisions (run the call phase, ``-x``) and ends with the same exit status;
 4. only rank 0 writes to the terminal: the other ranks' terminal reporter is blocked;
 5. a test that does not finish within its timeout ends the run with every rank's stack on rank 0
-   (:mod:`.spmd_watch`); a launcher's SIGTERM (it stops every rank when one fails or dies) ends
-   it naming the test that was running.
+   (:mod:`.spmd_watch`); a launcher's SIGTERM (it stops every rank when one fails or dies), or
+   an agreement a dead rank never joins, ends it naming the test that was running and the rank
+   that died (:mod:`.spmd_roll_call`).
 
 The launcher owns the processes: the plugin starts, kills and restarts none, and opens no
 listener beyond the process groups the launcher's rendezvous brings up.
@@ -47,6 +48,7 @@ from pytest_fp32keep.runner.rank_session import (
     _numpy_seed_function,
     _seed_everything,
 )
+from pytest_fp32keep.runner.spmd_roll_call import RollCall, describe
 from pytest_fp32keep.runner.spmd_watch import HangWatch
 
 if TYPE_CHECKING:
@@ -84,6 +86,7 @@ class SpmdSession:
         self._config = config
         self._terminal_fd = terminal_fd
         self._watch: HangWatch | None = None
+        self._roll: RollCall | None = None  # each rank's last step, for naming a rank that died
         self._settings = settings
         self._world = world
         self._side: Any = None  # the side gloo group, once the session has marked tests
@@ -91,6 +94,7 @@ class SpmdSession:
         self._numpy_seed: Any = _numpy_seed_function()
         self._current: str | None = None  # the test running now, for a launcher's SIGTERM
         self._previous_sigterm: Any = None
+        self._ending = False  # this rank ends the session, naming the cause
 
     def pytest_report_header(self, config: pytest.Config) -> str:
         """Say, on rank 0, that this session is one of a launched world."""
@@ -126,23 +130,26 @@ class SpmdSession:
             self._watch.end()
 
     @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_call(self) -> None:
-        """For the hang watch's report."""
-        if self._watch is not None:
-            self._watch.doing("in call")
+    def pytest_runtest_call(self, item: pytest.Item) -> None:
+        """For the hang watch's report and the roll call's."""
+        self._doing("call", item.nodeid)
 
     @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_teardown(self) -> None:
-        """For the hang watch's report."""
+    def pytest_runtest_teardown(self, item: pytest.Item) -> None:
+        """For the hang watch's report and the roll call's."""
+        self._doing("teardown", item.nodeid)
+
+    def _doing(self, when: str, nodeid: str) -> None:
         if self._watch is not None:
-            self._watch.doing("in teardown")
+            self._watch.doing(f"in {when}")
+        if self._roll is not None:
+            self._roll.doing(f"the {when} of {nodeid}")
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         """A marked test runs here only if its marker fits the launched world; seeded the same
         on every rank, as in the local mode."""
-        if self._watch is not None:
-            self._watch.doing("in setup")
+        self._doing("setup", item.nodeid)
         if self._side is None or not options.is_marked(item):
             return
         context = self._config.stash[RANK_CONTEXT_KEY]
@@ -231,12 +238,28 @@ class SpmdSession:
     def _terminated(self, signum: int, frame: Any) -> None:
         """The launcher stops every rank when one fails (exits non-zero, dies): end the session
         with the cause, so rank 0's report says it instead of vanishing."""
+        if self._ending:
+            return  # already ending, naming the cause (the launcher kills after its own grace)
         during = f" during {self._current}" if self._current else ""
+        cause = self._silent_ranks("stopped by the launcher") or (
+            "another rank died or failed; the launcher's log names it"
+        )
         pytest.exit(
             f"fsdp2: rank {self._world.rank} was stopped by the launcher ({self._world.launcher}, "
-            f"SIGTERM){during}: another rank died or failed; the launcher's log names it",
+            f"SIGTERM){during}: {cause}",
             returncode=128 + signal.SIGTERM,
         )
+
+    def _silent_ranks(self, why: str) -> str:
+        """This rank ends through the plugin, saying so in the store; on rank 0, the ranks that
+        did not say the same in a bounded grace (they died), named, else ``""``."""
+        if self._roll is None:
+            return ""
+        self._ending = True
+        self._roll.ended(why)
+        if self._world.rank != 0:
+            return ""
+        return describe(self._roll.silent(), self._world.launcher)
 
     # --- the process groups ----------------------------------------------------------------
 
@@ -260,6 +283,7 @@ class SpmdSession:
         self._side = dist.new_group(backend="gloo", timeout=timeout)
         self._previous_sigterm = signal.signal(signal.SIGTERM, self._terminated)
         self._watch = HangWatch(world.rank, world.world_size, world.launcher, self._terminal_fd)
+        self._roll = RollCall(world.rank, world.world_size)
         self._config.stash[RANK_CONTEXT_KEY] = context
 
     def _backend(self, torch: Any) -> str:
@@ -285,10 +309,13 @@ class SpmdSession:
         try:
             dist.all_gather_object(gathered, payload, group=self._side)
         except Exception as exc:
+            cause = self._silent_ranks(f"could not exchange {what}") or (
+                f"a rank died, or did not finish within {self._timeout_s:g} s; the launcher's "
+                "log names it"
+            )
             pytest.exit(
                 f"fsdp2: rank {self._world.rank} could not exchange {what} with the other "
-                f"ranks ({type(exc).__name__}: {_first_line(exc)}): a rank died, or did not "
-                f"finish within {self._timeout_s:g} s; the launcher's log names it",
+                f"ranks ({type(exc).__name__}: {_first_line(exc)}): {cause}",
                 returncode=pytest.ExitCode.INTERRUPTED,
             )
         return gathered

@@ -10,9 +10,11 @@ an unmarked test. Another session, whose ranks collect different tests, must run
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
+from tests.error_bounds import RANK_FAULT_BOUND_S, note_elapsed
 from tests.plugin._inner import InnerProject, failure_section, leftover_processes, new_tag
 from tests.plugin._launched import LaunchedRun, run_launched
 
@@ -288,3 +290,63 @@ def test_a_hang_ends_the_run_with_every_ranks_stack_on_rank_zero(
     assert project.records("after") == []
     assert run.returncodes != [0]
     assert leftovers == []
+
+
+RANK_TWO_DIES = """
+import os
+import time
+
+import pytest
+
+from rankrec import record
+
+pytestmark = pytest.mark.fsdp2
+
+
+def test_passes_first():
+    record("first")
+
+
+def test_dies_on_rank_two(fsdp2_rank):
+    if fsdp2_rank == 2:
+        record("death", at=time.time())
+        os._exit(3)
+
+
+def test_after():
+    record("after")
+"""
+
+
+def test_a_rank_that_dies_is_named_on_rank_zero(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Two nodes of two: rank 2 (node 1) dies in a call; rank 0 (node 0) names it, and only it."""
+    project = InnerProject(tmp_path_factory.mktemp("rank_two"), new_tag())
+    project.write(test_rank_two=RANK_TWO_DIES)
+    try:
+        run = run_launched(project.path, project.tag, ["test_rank_two.py"])
+        ended = time.time()
+        leftovers = leftover_processes(project.tag)
+    finally:
+        project.kill_leftovers()
+    rank0 = re.search(
+        r"fsdp2: rank 0 (was stopped by the launcher|could not exchange)[^\n]*", run.combined
+    )
+    assert rank0, "rank 0 did not name the cause"
+    assert (
+        "rank 2 stopped answering during the call of test_rank_two.py::test_dies_on_rank_two"
+        in rank0[0]
+    ), rank0[0]
+    assert "exit status or signal is in torchrun's log" in rank0[0]
+    # The ranks that did not die ended through the plugin: they are not named.
+    assert not re.search(r"rank [013] stopped answering", run.combined)
+    assert run.combined.count("stopped answering") == 1  # rank 0 alone reports
+    assert sorted(r["rank"] for r in project.records("first")) == ["0", "1", "2", "3"]
+    assert project.records("after") == []
+    assert run.returncodes != [0, 0]
+    assert leftovers == []
+    (death,) = project.records("death")
+    elapsed = ended - death["at"]
+    assert elapsed < RANK_FAULT_BOUND_S, (
+        f"took {elapsed:.1f} s; the bound is {RANK_FAULT_BOUND_S} s"
+    )
+    note_elapsed(elapsed)
