@@ -32,7 +32,7 @@ class RollCall:
             from torch.distributed.distributed_c10d import _get_default_store
 
             store = _get_default_store()
-        from torch.distributed import PrefixStore
+        from torch.distributed.distributed_c10d import PrefixStore
 
         # A restart of the world by the launcher reuses its store: keys of an earlier attempt
         # must not answer for this one.
