@@ -122,7 +122,7 @@ class SpmdSession:
         """Remember the running test (a launcher's SIGTERM names it) and arm the hang watch."""
         self._current = item.nodeid
         if self._watch is not None:
-            self._watch.begin(item.nodeid, self._item_timeout(item))
+            self._watch.begin(item.nodeid, *self._item_timeout(item))
 
     def pytest_runtest_logfinish(self) -> None:
         """The test's last agreement is done on every rank: disarm the hang watch."""
@@ -320,19 +320,22 @@ class SpmdSession:
             )
         return gathered
 
-    def _item_timeout(self, item: pytest.Item) -> float:
-        """The marker's ``timeout``, else ``--fsdp-timeout`` (unmarked tests and bad markers)."""
+    def _item_timeout(self, item: pytest.Item) -> tuple[float, str]:
+        """The marker's ``timeout``, else ``--fsdp-timeout`` (unmarked tests and bad markers),
+        with its wording for a hang's report (as the local mode's: ``options.timeout_words``)."""
+        session = (self._settings.timeout, self._settings.timeout_from)
         if not options.is_marked(item):
-            return self._settings.timeout
+            return session
         try:
-            return options.item_settings(item, self._settings).timeout
+            settings = options.item_settings(item, self._settings)
         except options.MarkerError:
-            return self._settings.timeout
+            return session
+        return settings.timeout, settings.timeout_from
 
     def _longest_timeout(self, marked: list[pytest.Item]) -> float:
         """The longest test timeout the session's markers ask for (a bad marker counts as the
         session's; its test fails in setup)."""
-        return max([self._settings.timeout, *(self._item_timeout(item) for item in marked)])
+        return max([self._settings.timeout, *(self._item_timeout(item)[0] for item in marked)])
 
 
 def _first_line(exc: BaseException) -> str:

@@ -226,14 +226,14 @@ def test_after():
 
 
 def one_node_session(
-    factory: pytest.TempPathFactory, name: str, source: str
+    factory: pytest.TempPathFactory, name: str, source: str, args: tuple[str, ...] = ()
 ) -> tuple[InnerProject, LaunchedRun, list[tuple[int, str]]]:
-    """``torchrun --nproc-per-node=2 -m pytest test_NAME.py``: the project, the run, and the
-    processes of it still alive afterwards (before they are killed)."""
+    """``torchrun --nproc-per-node=2 -m pytest ARGS test_NAME.py``: the project, the run, and
+    the processes of it still alive afterwards (before they are killed)."""
     project = InnerProject(factory.mktemp(name), new_tag())
     project.write(**{f"test_{name}": source})
     try:
-        run = run_launched(project.path, project.tag, [f"test_{name}.py"], nnodes=1)
+        run = run_launched(project.path, project.tag, [*args, f"test_{name}.py"], nnodes=1)
         leftovers = leftover_processes(project.tag)
     finally:
         project.kill_leftovers()
@@ -272,22 +272,38 @@ def test_a_rank_that_dies_ends_the_run_with_the_cause_on_rank_zero(
     assert leftovers == []
 
 
+@pytest.mark.parametrize(
+    ("source", "args", "timeout_from"),
+    [
+        pytest.param(HANGING, (), "5 s (@pytest.mark.fsdp2(timeout=5))", id="marker"),
+        pytest.param(
+            HANGING.replace("fsdp2(timeout=5)", "fsdp2"),
+            ("--fsdp-timeout=5",),
+            "--fsdp-timeout=5 s",
+            id="option",
+        ),
+    ],
+)
 def test_a_hang_ends_the_run_with_every_ranks_stack_on_rank_zero(
     tmp_path_factory: pytest.TempPathFactory,
+    source: str,
+    args: tuple[str, ...],
+    timeout_from: str,
 ) -> None:
-    project, run, leftovers = one_node_session(tmp_path_factory, "hanging", HANGING)
+    project, run, leftovers = one_node_session(tmp_path_factory, "hanging", source, args)
     # Only the hang watch says this (the process group's own timeout is 65 s here, and says
-    # something else): the run ended at the test's timeout.
+    # something else): the run ended at the test's timeout, named with where it was set, as in
+    # the local mode.
     report = run.combined.split(
-        "fsdp2: test_hanging.py::test_hangs_on_rank_zero did not finish within 5 s on the 2 "
-        "ranks torchrun launched; the run ends here",
+        f"fsdp2: test_hanging.py::test_hangs_on_rank_zero was still running after {timeout_from} "
+        "on the 2 ranks torchrun launched; the run ends here",
         1,
     )
     assert len(report) == 2, "no hang report"
     rank0 = report[1].split("---- rank 0: in call ----", 1)[1]
     assert "dist.all_reduce(torch.ones(1))  # rank 1 never joins" in rank0.split("---- rank 1")[0]
     assert "---- rank 1: done with its call, waiting for the other ranks ----" in report[1]
-    assert run.combined.count("did not finish within") == 1  # rank 0 alone reports
+    assert run.combined.count("was still running after") == 1  # rank 0 alone reports
     assert project.records("after") == []
     assert run.returncodes != [0]
     assert leftovers == []
