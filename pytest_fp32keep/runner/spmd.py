@@ -62,7 +62,11 @@ EXCHANGE_MARGIN_S: Final = 60.0
 def register(
     config: pytest.Config, settings: options.SessionSettings, world: LaunchedWorld
 ) -> None:
-    """Run this session in place in ``world``; every rank but 0 writes nothing to the terminal."""
+    """Run this session in place in ``world``; every rank but 0 writes nothing to the terminal.
+
+    Raises ``pytest.UsageError`` where pytest-xdist would start workers (``-n``, ``--tx``).
+    """
+    _refuse_xdist(config, world)
     if world.rank != 0:
         # As ``-p no:terminal``: blocked before the terminal plugin registers its reporter (or
         # removed if it already has), so the header, progress and summary come from rank 0 only.
@@ -71,6 +75,23 @@ def register(
     # hang watch writes when a test never returns.
     terminal_fd = os.dup(1) if world.rank == 0 else -1
     config.pluginmanager.register(SpmdSession(config, settings, world, terminal_fd), PLUGIN_NAME)
+
+
+def _refuse_xdist(config: pytest.Config, world: LaunchedWorld) -> None:
+    """xdist's workers would each run a copy of the session in every rank: the ranks' tests
+    would no longer run in step (each worker a world of its own, sharing one process group)."""
+    workers = config.getoption("numprocesses", None)
+    hosts = config.getoption("tx", None)
+    if not workers and not hosts:
+        return
+    given = f"-n {workers}" if workers else f"--tx {' '.join(map(str, hosts))}"
+    raise pytest.UsageError(
+        f"{given} (pytest-xdist) in a world {world.launcher} launched: every launched process "
+        "already runs this session as one rank, in step with the others, and xdist workers "
+        "would split the tests between processes that are not ranks. Drop -n (or use -n 0), "
+        "or run pytest outside the launcher (the plugin starts its own ranks: -n works there), "
+        "or --fsdp-launcher=local in every process"
+    )
 
 
 class SpmdSession:
