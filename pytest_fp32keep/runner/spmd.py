@@ -15,7 +15,9 @@ collection finds a marked test:
    (:func:`.reports.merge_phase`): a phase passes only if every rank passed it, a failure names
    the failing ranks and shows their tracebacks, merged. Every rank then takes the same
    decisions (run the call phase, ``-x``) and ends with the same exit status;
-4. only rank 0 writes to the terminal: the other ranks' terminal reporter is blocked;
+4. only rank 0 writes to the terminal: the other ranks' terminal reporter is blocked; torch's
+   defaults a test changed are put back after it, with the local mode's warning, and a test
+   that destroys the default process group ends the run (:mod:`.leftovers`);
 5. a test that does not finish within its timeout ends the run with every rank's stack on rank 0
    (:mod:`.spmd_watch`); a launcher's SIGTERM (it stops every rank when one fails or dies), or
    an agreement a dead rank never joins, ends it naming the test that was running and the rank
@@ -41,6 +43,7 @@ from pytest_fp32keep.runner import options, reports
 from pytest_fp32keep.runner.collection_agreement import differences
 from pytest_fp32keep.runner.controller import seed_for
 from pytest_fp32keep.runner.launched import LaunchedWorld
+from pytest_fp32keep.runner.leftovers import TorchDefaults, process_group_problem, restored_warning
 from pytest_fp32keep.runner.rank_context import RANK_CONTEXT_KEY, RankContext
 from pytest_fp32keep.runner.rank_session import (
     _destroy_process_group,
@@ -48,6 +51,7 @@ from pytest_fp32keep.runner.rank_session import (
     _numpy_seed_function,
     _seed_everything,
 )
+from pytest_fp32keep.runner.rank_warnings import relay_warnings
 from pytest_fp32keep.runner.spmd_roll_call import RollCall, describe
 from pytest_fp32keep.runner.spmd_watch import HangWatch
 
@@ -114,8 +118,10 @@ class SpmdSession:
         self._timeout_s = settings.timeout + EXCHANGE_MARGIN_S
         self._numpy_seed: Any = _numpy_seed_function()
         self._current: str | None = None  # the test running now, for a launcher's SIGTERM
+        self._defaults: TorchDefaults | None = None  # torch's, before the running test
         self._previous_sigterm: Any = None
         self._ending = False  # this rank ends the session, naming the cause
+        self._group_destroyed = False  # by the test that ran last: no leaving together
 
     def pytest_report_header(self, config: pytest.Config) -> str:
         """Say, on rank 0, that this session is one of a launched world."""
@@ -140,8 +146,10 @@ class SpmdSession:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item) -> None:
-        """Remember the running test (a launcher's SIGTERM names it) and arm the hang watch."""
+        """Remember the running test (a launcher's SIGTERM names it) and torch's defaults (put
+        back after it, as in the local mode), and arm the hang watch."""
         self._current = item.nodeid
+        self._defaults = TorchDefaults.take() if self._side is not None else None
         if self._watch is not None:
             self._watch.begin(item.nodeid, *self._item_timeout(item))
 
@@ -206,9 +214,11 @@ class SpmdSession:
         config = self._config
         if self._watch is not None:
             self._watch.doing(f"done with its {call.when}, waiting for the other ranks")
+        self._end_if_group_destroyed(item, call.when)
+        restored = self._restore_defaults(item) if call.when == "teardown" else []
         data = config.hook.pytest_report_to_serializable(config=config, report=report)
         gathered = self._exchange(
-            {"nodeid": item.nodeid, "when": call.when, "report": data},
+            {"nodeid": item.nodeid, "when": call.when, "report": data, "warnings": restored},
             f"the {call.when} of {item.nodeid}",
         )
         strays = [
@@ -228,10 +238,40 @@ class SpmdSession:
                 reports=[
                     config.hook.pytest_report_from_serializable(config=config, data=entry["report"])
                 ],
+                warnings=entry["warnings"],
             )
             for rank, entry in enumerate(gathered)
         ]
+        relay_warnings(outcomes)  # inside the test's warnings capture: its summary shows them
         return reports.merge_phase(reports.ItemInfo.from_item(item), report.when, outcomes)
+
+    def _restore_defaults(self, item: pytest.Item) -> list[dict[str, Any]]:
+        """Put back torch's defaults the test changed; the warning that says so (as the local
+        mode's), for every rank's summary, naming the ranks where it changed them."""
+        defaults, self._defaults = self._defaults, None
+        if defaults is None or not (changed := defaults.restore()):
+            return []
+        return [restored_warning(item, changed)]
+
+    def _end_if_group_destroyed(self, item: pytest.Item, when: str) -> None:
+        """A test that destroyed the default process group (and with it the plugin's side
+        group) ends the run: the launcher's world cannot be formed again here, and the next
+        test would wait for ever in its first collective."""
+        if process_group_problem() is None:
+            return
+        why = f"{item.nodeid} destroyed the default process group in its {when}"
+        self._group_destroyed = True
+        if self._roll is not None:
+            self._ending = True
+            self._roll.ended(why, cause=True)
+        pytest.exit(
+            f"fsdp2: rank {self._world.rank}: {why} (dist.destroy_process_group(): every "
+            f"group goes, the plugin's own too); the run ends here: the world "
+            f"{self._world.launcher} launched cannot be formed again, and the next test would "
+            "wait for ever in its first collective. Leave the group to the plugin (it destroys "
+            "it at the end), or run such code with a group of its own (dist.new_group)",
+            returncode=pytest.ExitCode.INTERRUPTED,
+        )
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         """Leave together, then destroy the process groups this session formed.
@@ -244,8 +284,12 @@ class SpmdSession:
         import torch.distributed as dist
 
         sys.stdout.flush()
-        with contextlib.suppress(Exception):  # a peer already gone: nothing left to wait for
-            dist.barrier(group=self._side)
+        if not self._group_destroyed:
+            with contextlib.suppress(Exception):  # a peer already gone: nothing left to wait for
+                dist.barrier(group=self._side)
+        # else: a peer that did not destroy it may wait in an agreement on the side group; a
+        # barrier there would match nothing. This rank's exit closes its connections, which
+        # ends that wait at once.
         self._side = None
         if self._watch is not None:
             self._watch.end()
@@ -280,7 +324,8 @@ class SpmdSession:
         self._roll.ended(why)
         if self._world.rank != 0:
             return ""
-        return describe(self._roll.silent(), self._world.launcher)
+        silent = describe(self._roll.silent(), self._world.launcher)
+        return "; ".join(filter(None, [*self._roll.causes(), silent]))
 
     # --- the process groups ----------------------------------------------------------------
 

@@ -45,9 +45,18 @@ class RollCall:
         """This rank's current step, named for the report of its death."""
         self._set(f"doing/{self._rank}", what)
 
-    def ended(self, why: str) -> None:
-        """This rank leaves the session through the plugin (it did not die)."""
+    def ended(self, why: str, *, cause: bool = False) -> None:
+        """This rank leaves the session through the plugin (it did not die); with ``cause``,
+        ``why`` is the run's cause, which rank 0 names (:meth:`causes`)."""
+        if cause:
+            self._set(f"cause/{self._rank}", why)
         self._set(f"ended/{self._rank}", why)
+
+    def causes(self) -> list[str]:
+        """``"rank 1: WHY"`` for every other rank that ended the run with a cause, in rank
+        order."""
+        others = [rank for rank in range(self._world_size) if rank != self._rank]
+        return [f"rank {rank}: {why}" for rank in others if (why := self._get(f"cause/{rank}"))]
 
     def silent(self, grace_s: float = GRACE_S) -> dict[int, str]:
         """The ranks that did not say they ended within ``grace_s``, each with its last step

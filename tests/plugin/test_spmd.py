@@ -367,3 +367,83 @@ def test_a_rank_that_dies_is_named_on_rank_zero(tmp_path_factory: pytest.TempPat
         f"took {elapsed:.1f} s; the bound is {RANK_FAULT_BOUND_S} s"
     )
     note_elapsed(elapsed)
+
+
+STATE = """
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rankrec import record
+
+pytestmark = pytest.mark.fsdp2
+
+
+def test_changes_defaults():
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+
+
+def test_sees_the_usual_defaults():
+    record("usual", dtype=str(torch.get_default_dtype()), grad=torch.is_grad_enabled())
+    assert torch.get_default_dtype() == torch.float32
+    assert torch.is_grad_enabled()
+
+
+def test_restores_what_it_changes():
+    torch.set_default_dtype(torch.float16)
+    torch.set_default_dtype(torch.float32)
+
+
+def test_destroys_the_group(fsdp2_rank):
+    if fsdp2_rank in WHO:
+        record("destroyed", at=time.time())
+        dist.destroy_process_group()
+
+
+def test_after():
+    record("after")
+"""
+
+
+@pytest.mark.parametrize(
+    ("who", "named"),
+    [
+        pytest.param("(0, 1)", "rank 0: ", id="every-rank"),
+        pytest.param("(1,)", "rank 1: ", id="rank-one"),
+    ],
+)
+def test_torch_defaults_are_restored_and_a_destroyed_group_ends_the_run(
+    tmp_path_factory: pytest.TempPathFactory, who: str, named: str
+) -> None:
+    source = STATE.replace("WHO", who)
+    project, run, leftovers = one_node_session(tmp_path_factory, "state", source, ("-rA",))
+    elapsed = time.time() - min(r["at"] for r in project.records("destroyed"))
+    assert elapsed < RANK_FAULT_BOUND_S, (
+        f"took {elapsed:.1f} s; the bound is {RANK_FAULT_BOUND_S} s"
+    )
+    note_elapsed(elapsed)
+    # torch's defaults: put back after the test that changed them, which a warning names on
+    # every rank that changed them (as in the local mode); the next test sees the usual ones.
+    assert (
+        "RankWarning: [ranks 0,1] test_state.py::test_changes_defaults changed the default dtype "
+        "to torch.float64, grad mode to disabled and did not restore it"
+    ) in " ".join(run.combined.split())
+    assert [(r["dtype"], r["grad"]) for r in project.records("usual")] == [
+        ("torch.float32", True)
+    ] * 2
+    assert re.search(r"PASSED \S+::test_sees_the_usual_defaults", run.combined)
+    # negative control: a test that restores what it changed is not named
+    assert "test_restores_what_it_changes changed" not in run.combined
+    # the destroyed default group: the run ends there, rank 0 naming the test and the rank
+    cause = re.search(r"fsdp2: rank 0[^\n]*", run.combined)
+    assert cause, "rank 0 did not name the cause"
+    assert (
+        f"{named}test_state.py::test_destroys_the_group destroyed the default process group in "
+        "its call"
+    ) in cause[0], cause[0]
+    assert project.records("after") == []
+    assert run.returncodes != [0]
+    assert leftovers == []

@@ -60,3 +60,13 @@ def test_an_earlier_attempt_of_the_launcher_does_not_answer_for_this_one(
     RollCall(1, 2, store).ended("stopped by the launcher")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert list(RollCall(0, 2, store).silent(grace_s=0.1)) == [1]
+
+
+def test_a_rank_that_ended_the_run_with_a_cause_is_named_with_it(store: object) -> None:
+    ranks = [RollCall(rank, 3, store) for rank in range(3)]
+    ranks[1].ended("t.py::test_x destroyed the default process group in its call", cause=True)
+    ranks[2].ended("stopped by the launcher")  # negative control: an end without a cause
+    assert ranks[0].silent(grace_s=0.1) == {}
+    assert ranks[0].causes() == [
+        "rank 1: t.py::test_x destroyed the default process group in its call"
+    ]
