@@ -19,7 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from pytest_fp32keep.runner import protocol
+
+if TYPE_CHECKING:
+    import pytest
 
 
 def process_group_problem() -> str | None:
@@ -74,6 +79,19 @@ class TorchDefaults:
             changed.append(f"grad mode to {'enabled' if torch.is_grad_enabled() else 'disabled'}")
             torch.set_grad_enabled(self.grad_enabled)
         return changed
+
+
+def restored_warning(item: pytest.Item, changed: list[str]) -> dict[str, Any]:
+    """The warning (``protocol.rank_warning``) that ``item`` changed torch's defaults
+    (:meth:`TorchDefaults.restore`'s phrases), placed where the test is defined."""
+    path, line = item.reportinfo()[:2]
+    return protocol.rank_warning(
+        f"{item.nodeid} changed {', '.join(changed)} and did not restore it; the plugin "
+        "restored it so that later tests in these ranks are not affected (restore it in the "
+        "test, e.g. with a fixture, to silence this)",
+        str(path),
+        (line or 0) + 1,  # reportinfo's line counts from 0
+    )
 
 
 def _default_device(torch: Any) -> Any:

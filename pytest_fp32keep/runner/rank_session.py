@@ -47,7 +47,11 @@ from typing import IO, Any, Final
 import pytest
 
 from pytest_fp32keep.runner import protocol
-from pytest_fp32keep.runner.leftovers import TorchDefaults, process_group_problem
+from pytest_fp32keep.runner.leftovers import (
+    TorchDefaults,
+    process_group_problem,
+    restored_warning,
+)
 from pytest_fp32keep.runner.processes import ENV_TOKEN, init_process_group_kwargs
 from pytest_fp32keep.runner.rank_context import RANK_CONTEXT_KEY, RankContext
 from pytest_fp32keep.runner.spill import spill_report
@@ -165,16 +169,7 @@ class RankSessionPlugin:
             self._watch.end()
             self._current = None
         if defaults is not None and (changed := defaults.restore()):
-            path, line = item.reportinfo()[:2]
-            self._warnings.append(
-                protocol.rank_warning(
-                    f"{nodeid} changed {', '.join(changed)} and did not restore it; the plugin "
-                    "restored it so that later tests in these ranks are not affected (restore "
-                    "it in the test, e.g. with a fixture, to silence this)",
-                    str(path),
-                    (line or 0) + 1,  # where the test is defined
-                )
-            )
+            self._warnings.append(restored_warning(item, changed))
         broken = process_group_problem()
         if broken is not None:
             problems.append(broken)

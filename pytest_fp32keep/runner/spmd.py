@@ -15,10 +15,13 @@ collection finds a marked test:
    (:func:`.reports.merge_phase`): a phase passes only if every rank passed it, a failure names
    the failing ranks and shows their tracebacks, merged. Every rank then takes the same
    decisions (run the call phase, ``-x``) and ends with the same exit status;
-4. only rank 0 writes to the terminal: the other ranks' terminal reporter is blocked;
+4. only rank 0 writes to the terminal: the other ranks' terminal reporter is blocked; torch's
+   defaults a test changed are put back after it, with the local mode's warning, and a test
+   that destroys the default process group ends the run (:mod:`.leftovers`);
 5. a test that does not finish within its timeout ends the run with every rank's stack on rank 0
-   (:mod:`.spmd_watch`); a launcher's SIGTERM (it stops every rank when one fails or dies) ends
-   it naming the test that was running.
+   (:mod:`.spmd_watch`); a launcher's SIGTERM (it stops every rank when one fails or dies), or
+   an agreement a dead rank never joins, ends it naming the test that was running and the rank
+   that died (:mod:`.spmd_roll_call`).
 
 The launcher owns the processes: the plugin starts, kills and restarts none, and opens no
 listener beyond the process groups the launcher's rendezvous brings up.
@@ -40,6 +43,7 @@ from pytest_fp32keep.runner import options, reports
 from pytest_fp32keep.runner.collection_agreement import differences
 from pytest_fp32keep.runner.controller import seed_for
 from pytest_fp32keep.runner.launched import LaunchedWorld
+from pytest_fp32keep.runner.leftovers import TorchDefaults, process_group_problem, restored_warning
 from pytest_fp32keep.runner.rank_context import RANK_CONTEXT_KEY, RankContext
 from pytest_fp32keep.runner.rank_session import (
     _destroy_process_group,
@@ -47,6 +51,8 @@ from pytest_fp32keep.runner.rank_session import (
     _numpy_seed_function,
     _seed_everything,
 )
+from pytest_fp32keep.runner.rank_warnings import relay_warnings
+from pytest_fp32keep.runner.spmd_roll_call import RollCall, describe
 from pytest_fp32keep.runner.spmd_watch import HangWatch
 
 if TYPE_CHECKING:
@@ -60,7 +66,11 @@ EXCHANGE_MARGIN_S: Final = 60.0
 def register(
     config: pytest.Config, settings: options.SessionSettings, world: LaunchedWorld
 ) -> None:
-    """Run this session in place in ``world``; every rank but 0 writes nothing to the terminal."""
+    """Run this session in place in ``world``; every rank but 0 writes nothing to the terminal.
+
+    Raises ``pytest.UsageError`` where pytest-xdist would start workers (``-n``, ``--tx``).
+    """
+    _refuse_xdist(config, world)
     if world.rank != 0:
         # As ``-p no:terminal``: blocked before the terminal plugin registers its reporter (or
         # removed if it already has), so the header, progress and summary come from rank 0 only.
@@ -69,6 +79,23 @@ def register(
     # hang watch writes when a test never returns.
     terminal_fd = os.dup(1) if world.rank == 0 else -1
     config.pluginmanager.register(SpmdSession(config, settings, world, terminal_fd), PLUGIN_NAME)
+
+
+def _refuse_xdist(config: pytest.Config, world: LaunchedWorld) -> None:
+    """xdist's workers would each run a copy of the session in every rank: the ranks' tests
+    would no longer run in step (each worker a world of its own, sharing one process group)."""
+    workers = config.getoption("numprocesses", None)
+    hosts = config.getoption("tx", None)
+    if not workers and not hosts:
+        return
+    given = f"-n {workers}" if workers else f"--tx {' '.join(map(str, hosts))}"
+    raise pytest.UsageError(
+        f"{given} (pytest-xdist) in a world {world.launcher} launched: every launched process "
+        "already runs this session as one rank, in step with the others, and xdist workers "
+        "would split the tests between processes that are not ranks. Drop -n (or use -n 0), "
+        "or run pytest outside the launcher (the plugin starts its own ranks: -n works there), "
+        "or --fsdp-launcher=local in every process"
+    )
 
 
 class SpmdSession:
@@ -84,13 +111,17 @@ class SpmdSession:
         self._config = config
         self._terminal_fd = terminal_fd
         self._watch: HangWatch | None = None
+        self._roll: RollCall | None = None  # each rank's last step, for naming a rank that died
         self._settings = settings
         self._world = world
         self._side: Any = None  # the side gloo group, once the session has marked tests
         self._timeout_s = settings.timeout + EXCHANGE_MARGIN_S
         self._numpy_seed: Any = _numpy_seed_function()
         self._current: str | None = None  # the test running now, for a launcher's SIGTERM
+        self._defaults: TorchDefaults | None = None  # torch's, before the running test
         self._previous_sigterm: Any = None
+        self._ending = False  # this rank ends the session, naming the cause
+        self._group_destroyed = False  # by the test that ran last: no leaving together
 
     def pytest_report_header(self, config: pytest.Config) -> str:
         """Say, on rank 0, that this session is one of a launched world."""
@@ -115,10 +146,12 @@ class SpmdSession:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item) -> None:
-        """Remember the running test (a launcher's SIGTERM names it) and arm the hang watch."""
+        """Remember the running test (a launcher's SIGTERM names it) and torch's defaults (put
+        back after it, as in the local mode), and arm the hang watch."""
         self._current = item.nodeid
+        self._defaults = TorchDefaults.take() if self._side is not None else None
         if self._watch is not None:
-            self._watch.begin(item.nodeid, self._item_timeout(item))
+            self._watch.begin(item.nodeid, *self._item_timeout(item))
 
     def pytest_runtest_logfinish(self) -> None:
         """The test's last agreement is done on every rank: disarm the hang watch."""
@@ -126,23 +159,26 @@ class SpmdSession:
             self._watch.end()
 
     @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_call(self) -> None:
-        """For the hang watch's report."""
-        if self._watch is not None:
-            self._watch.doing("in call")
+    def pytest_runtest_call(self, item: pytest.Item) -> None:
+        """For the hang watch's report and the roll call's."""
+        self._doing("call", item.nodeid)
 
     @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_teardown(self) -> None:
-        """For the hang watch's report."""
+    def pytest_runtest_teardown(self, item: pytest.Item) -> None:
+        """For the hang watch's report and the roll call's."""
+        self._doing("teardown", item.nodeid)
+
+    def _doing(self, when: str, nodeid: str) -> None:
         if self._watch is not None:
-            self._watch.doing("in teardown")
+            self._watch.doing(f"in {when}")
+        if self._roll is not None:
+            self._roll.doing(f"the {when} of {nodeid}")
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         """A marked test runs here only if its marker fits the launched world; seeded the same
         on every rank, as in the local mode."""
-        if self._watch is not None:
-            self._watch.doing("in setup")
+        self._doing("setup", item.nodeid)
         if self._side is None or not options.is_marked(item):
             return
         context = self._config.stash[RANK_CONTEXT_KEY]
@@ -178,9 +214,11 @@ class SpmdSession:
         config = self._config
         if self._watch is not None:
             self._watch.doing(f"done with its {call.when}, waiting for the other ranks")
+        self._end_if_group_destroyed(item, call.when)
+        restored = self._restore_defaults(item) if call.when == "teardown" else []
         data = config.hook.pytest_report_to_serializable(config=config, report=report)
         gathered = self._exchange(
-            {"nodeid": item.nodeid, "when": call.when, "report": data},
+            {"nodeid": item.nodeid, "when": call.when, "report": data, "warnings": restored},
             f"the {call.when} of {item.nodeid}",
         )
         strays = [
@@ -200,10 +238,40 @@ class SpmdSession:
                 reports=[
                     config.hook.pytest_report_from_serializable(config=config, data=entry["report"])
                 ],
+                warnings=entry["warnings"],
             )
             for rank, entry in enumerate(gathered)
         ]
+        relay_warnings(outcomes)  # inside the test's warnings capture: its summary shows them
         return reports.merge_phase(reports.ItemInfo.from_item(item), report.when, outcomes)
+
+    def _restore_defaults(self, item: pytest.Item) -> list[dict[str, Any]]:
+        """Put back torch's defaults the test changed; the warning that says so (as the local
+        mode's), for every rank's summary, naming the ranks where it changed them."""
+        defaults, self._defaults = self._defaults, None
+        if defaults is None or not (changed := defaults.restore()):
+            return []
+        return [restored_warning(item, changed)]
+
+    def _end_if_group_destroyed(self, item: pytest.Item, when: str) -> None:
+        """A test that destroyed the default process group (and with it the plugin's side
+        group) ends the run: the launcher's world cannot be formed again here, and the next
+        test would wait for ever in its first collective."""
+        if process_group_problem() is None:
+            return
+        why = f"{item.nodeid} destroyed the default process group in its {when}"
+        self._group_destroyed = True
+        if self._roll is not None:
+            self._ending = True
+            self._roll.ended(why, cause=True)
+        pytest.exit(
+            f"fsdp2: rank {self._world.rank}: {why} (dist.destroy_process_group(): every "
+            f"group goes, the plugin's own too); the run ends here: the world "
+            f"{self._world.launcher} launched cannot be formed again, and the next test would "
+            "wait for ever in its first collective. Leave the group to the plugin (it destroys "
+            "it at the end), or run such code with a group of its own (dist.new_group)",
+            returncode=pytest.ExitCode.INTERRUPTED,
+        )
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         """Leave together, then destroy the process groups this session formed.
@@ -216,8 +284,12 @@ class SpmdSession:
         import torch.distributed as dist
 
         sys.stdout.flush()
-        with contextlib.suppress(Exception):  # a peer already gone: nothing left to wait for
-            dist.barrier(group=self._side)
+        if not self._group_destroyed:
+            with contextlib.suppress(Exception):  # a peer already gone: nothing left to wait for
+                dist.barrier(group=self._side)
+        # else: a peer that did not destroy it may wait in an agreement on the side group; a
+        # barrier there would match nothing. This rank's exit closes its connections, which
+        # ends that wait at once.
         self._side = None
         if self._watch is not None:
             self._watch.end()
@@ -231,12 +303,29 @@ class SpmdSession:
     def _terminated(self, signum: int, frame: Any) -> None:
         """The launcher stops every rank when one fails (exits non-zero, dies): end the session
         with the cause, so rank 0's report says it instead of vanishing."""
+        if self._ending:
+            return  # already ending, naming the cause (the launcher kills after its own grace)
         during = f" during {self._current}" if self._current else ""
+        cause = self._silent_ranks("stopped by the launcher") or (
+            "another rank died or failed; the launcher's log names it"
+        )
         pytest.exit(
             f"fsdp2: rank {self._world.rank} was stopped by the launcher ({self._world.launcher}, "
-            f"SIGTERM){during}: another rank died or failed; the launcher's log names it",
+            f"SIGTERM){during}: {cause}",
             returncode=128 + signal.SIGTERM,
         )
+
+    def _silent_ranks(self, why: str) -> str:
+        """This rank ends through the plugin, saying so in the store; on rank 0, the ranks that
+        did not say the same in a bounded grace (they died), named, else ``""``."""
+        if self._roll is None:
+            return ""
+        self._ending = True
+        self._roll.ended(why)
+        if self._world.rank != 0:
+            return ""
+        silent = describe(self._roll.silent(), self._world.launcher)
+        return "; ".join(filter(None, [*self._roll.causes(), silent]))
 
     # --- the process groups ----------------------------------------------------------------
 
@@ -260,6 +349,7 @@ class SpmdSession:
         self._side = dist.new_group(backend="gloo", timeout=timeout)
         self._previous_sigterm = signal.signal(signal.SIGTERM, self._terminated)
         self._watch = HangWatch(world.rank, world.world_size, world.launcher, self._terminal_fd)
+        self._roll = RollCall(world.rank, world.world_size)
         self._config.stash[RANK_CONTEXT_KEY] = context
 
     def _backend(self, torch: Any) -> str:
@@ -285,27 +375,33 @@ class SpmdSession:
         try:
             dist.all_gather_object(gathered, payload, group=self._side)
         except Exception as exc:
+            cause = self._silent_ranks(f"could not exchange {what}") or (
+                f"a rank died, or did not finish within {self._timeout_s:g} s; the launcher's "
+                "log names it"
+            )
             pytest.exit(
                 f"fsdp2: rank {self._world.rank} could not exchange {what} with the other "
-                f"ranks ({type(exc).__name__}: {_first_line(exc)}): a rank died, or did not "
-                f"finish within {self._timeout_s:g} s; the launcher's log names it",
+                f"ranks ({type(exc).__name__}: {_first_line(exc)}): {cause}",
                 returncode=pytest.ExitCode.INTERRUPTED,
             )
         return gathered
 
-    def _item_timeout(self, item: pytest.Item) -> float:
-        """The marker's ``timeout``, else ``--fsdp-timeout`` (unmarked tests and bad markers)."""
+    def _item_timeout(self, item: pytest.Item) -> tuple[float, str]:
+        """The marker's ``timeout``, else ``--fsdp-timeout`` (unmarked tests and bad markers),
+        with its wording for a hang's report (as the local mode's: ``options.timeout_words``)."""
+        session = (self._settings.timeout, self._settings.timeout_from)
         if not options.is_marked(item):
-            return self._settings.timeout
+            return session
         try:
-            return options.item_settings(item, self._settings).timeout
+            settings = options.item_settings(item, self._settings)
         except options.MarkerError:
-            return self._settings.timeout
+            return session
+        return settings.timeout, settings.timeout_from
 
     def _longest_timeout(self, marked: list[pytest.Item]) -> float:
         """The longest test timeout the session's markers ask for (a bad marker counts as the
         session's; its test fails in setup)."""
-        return max([self._settings.timeout, *(self._item_timeout(item) for item in marked)])
+        return max([self._settings.timeout, *(self._item_timeout(item)[0] for item in marked)])
 
 
 def _first_line(exc: BaseException) -> str:

@@ -49,11 +49,13 @@ class HangWatch:
         self._count = 0
         self._doing = ""
 
-    def begin(self, nodeid: str, timeout_s: float) -> None:
-        """Arm the timer for ``nodeid``; the same test has the same number on every rank."""
+    def begin(self, nodeid: str, timeout_s: float, timeout_from: str = "") -> None:
+        """Arm the timer for ``nodeid``; the same test has the same number on every rank.
+        ``timeout_from`` says the timeout and where it was set (``options.timeout_words``)."""
         self._count += 1
         self._doing = "starting"
-        self._timer = threading.Timer(timeout_s, self._expired, (self._count, nodeid, timeout_s))
+        wording = timeout_from or f"{timeout_s:g} s"
+        self._timer = threading.Timer(timeout_s, self._expired, (self._count, nodeid, wording))
         self._timer.daemon = True
         self._timer.start()
 
@@ -67,7 +69,7 @@ class HangWatch:
             self._timer.cancel()
             self._timer = None
 
-    def _expired(self, count: int, nodeid: str, timeout_s: float) -> None:
+    def _expired(self, count: int, nodeid: str, timeout_from: str) -> None:
         main = sys._current_frames().get(threading.main_thread().ident or 0)
         stack = _test_frames(main) if main is not None else "(no stack)\n"
         entry = json.dumps({"doing": self._doing, "stack": stack})
@@ -79,7 +81,7 @@ class HangWatch:
             time.sleep(GRACE_S + 10)  # the launcher stops this rank once rank 0 has exited
             os._exit(EXIT_HUNG)
         accounts = self._collect(count)
-        text = render(nodeid, timeout_s, accounts, self._world_size, self._launcher)
+        text = render(nodeid, timeout_from, accounts, self._world_size, self._launcher)
         os.write(self._terminal_fd, text.encode(errors="replace"))
         os._exit(EXIT_HUNG)
 
@@ -98,19 +100,21 @@ class HangWatch:
 
 def render(
     nodeid: str,
-    timeout_s: float,
+    timeout_from: str,
     accounts: dict[int, dict[str, Any]],
     world_size: int,
     launcher: str,
 ) -> str:
-    """The report rank 0 writes: the test, then each group of ranks with the same account."""
+    """The report rank 0 writes: the test and its timeout as the local mode words it ("still
+    running after 8 s (@pytest.mark.fsdp2(timeout=8))"), then each group of ranks with the same
+    account."""
     groups: dict[tuple[str, str], list[int]] = {}
     for rank in sorted(accounts):
         account = accounts[rank]
         groups.setdefault((account["doing"], account["stack"]), []).append(rank)
     lines = [
         "",
-        f"fsdp2: {nodeid} did not finish within {timeout_s:g} s on the {world_size} ranks "
+        f"fsdp2: {nodeid} was still running after {timeout_from} on the {world_size} ranks "
         f"{launcher} launched; the run ends here (a rank stuck in a collective can only be "
         "killed, which is the launcher's to do). Each rank's main thread:",
     ]

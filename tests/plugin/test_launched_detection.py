@@ -148,3 +148,30 @@ def test_a_bad_launcher_setting_is_a_usage_error(
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert message in result.stderr.str()
     result.stdout.no_fnmatch_line("*test_plain*PASSED*")
+
+
+@pytest.mark.parametrize(
+    ("args", "refused"),
+    [
+        pytest.param(["-n", "2"], True, id="n2"),
+        pytest.param(["-n", "0"], False, id="n0-negative-control"),
+    ],
+)
+def test_xdist_in_a_launched_world_is_a_usage_error_naming_the_conflict(
+    inner: InnerProject, monkeypatch: pytest.MonkeyPatch, args: list[str], refused: bool
+) -> None:
+    assert inner.pytester is not None
+    for name, value in TORCHRUN.items():  # what torchrun gives a worker; no rank runs here
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    inner.write(test_plain="def test_plain():\n    pass\n")
+    with within(PARENT_BOUND_S):
+        result = inner.run(*args)
+    message = "-n 2 (pytest-xdist) in a world torchrun launched: every launched process"
+    if refused:
+        assert result.ret == pytest.ExitCode.USAGE_ERROR
+        assert message in result.stderr.str()
+        result.stdout.no_fnmatch_line("*test_plain*PASSED*")
+    else:  # -n 0 starts no worker: the session runs as a rank (no marked test: no group)
+        assert result.ret == pytest.ExitCode.OK, result.stderr.str()
+        assert "(pytest-xdist)" not in result.stderr.str()

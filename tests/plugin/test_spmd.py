@@ -10,9 +10,11 @@ an unmarked test. Another session, whose ranks collect different tests, must run
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
+from tests.error_bounds import RANK_FAULT_BOUND_S, note_elapsed
 from tests.plugin._inner import InnerProject, failure_section, leftover_processes, new_tag
 from tests.plugin._launched import LaunchedRun, run_launched
 
@@ -224,14 +226,14 @@ def test_after():
 
 
 def one_node_session(
-    factory: pytest.TempPathFactory, name: str, source: str
+    factory: pytest.TempPathFactory, name: str, source: str, args: tuple[str, ...] = ()
 ) -> tuple[InnerProject, LaunchedRun, list[tuple[int, str]]]:
-    """``torchrun --nproc-per-node=2 -m pytest test_NAME.py``: the project, the run, and the
-    processes of it still alive afterwards (before they are killed)."""
+    """``torchrun --nproc-per-node=2 -m pytest ARGS test_NAME.py``: the project, the run, and
+    the processes of it still alive afterwards (before they are killed)."""
     project = InnerProject(factory.mktemp(name), new_tag())
     project.write(**{f"test_{name}": source})
     try:
-        run = run_launched(project.path, project.tag, [f"test_{name}.py"], nnodes=1)
+        run = run_launched(project.path, project.tag, [*args, f"test_{name}.py"], nnodes=1)
         leftovers = leftover_processes(project.tag)
     finally:
         project.kill_leftovers()
@@ -258,8 +260,9 @@ def test_a_rank_that_dies_ends_the_run_with_the_cause_on_rank_zero(
     # Rank 0 learns it from the launcher's SIGTERM, or from the exchange its dead peer left.
     cause = re.search(
         r"fsdp2: rank 0 (was stopped by the launcher \(torchrun, SIGTERM\) during "
-        r"test_dying.py::test_dies_on_rank_one: another rank died|could not exchange the call of "
-        r"test_dying.py::test_dies_on_rank_one with the other ranks .*: a rank died)",
+        r"test_dying.py::test_dies_on_rank_one|could not exchange the call of "
+        r"test_dying.py::test_dies_on_rank_one with the other ranks .*): rank 1 stopped answering "
+        r"during the call of test_dying.py::test_dies_on_rank_one",
         run.combined,
     )
     assert cause, "rank 0 did not name the cause"
@@ -269,22 +272,178 @@ def test_a_rank_that_dies_ends_the_run_with_the_cause_on_rank_zero(
     assert leftovers == []
 
 
+@pytest.mark.parametrize(
+    ("source", "args", "timeout_from"),
+    [
+        pytest.param(HANGING, (), "5 s (@pytest.mark.fsdp2(timeout=5))", id="marker"),
+        pytest.param(
+            HANGING.replace("fsdp2(timeout=5)", "fsdp2"),
+            ("--fsdp-timeout=5",),
+            "--fsdp-timeout=5 s",
+            id="option",
+        ),
+    ],
+)
 def test_a_hang_ends_the_run_with_every_ranks_stack_on_rank_zero(
     tmp_path_factory: pytest.TempPathFactory,
+    source: str,
+    args: tuple[str, ...],
+    timeout_from: str,
 ) -> None:
-    project, run, leftovers = one_node_session(tmp_path_factory, "hanging", HANGING)
+    project, run, leftovers = one_node_session(tmp_path_factory, "hanging", source, args)
     # Only the hang watch says this (the process group's own timeout is 65 s here, and says
-    # something else): the run ended at the test's timeout.
+    # something else): the run ended at the test's timeout, named with where it was set, as in
+    # the local mode.
     report = run.combined.split(
-        "fsdp2: test_hanging.py::test_hangs_on_rank_zero did not finish within 5 s on the 2 "
-        "ranks torchrun launched; the run ends here",
+        f"fsdp2: test_hanging.py::test_hangs_on_rank_zero was still running after {timeout_from} "
+        "on the 2 ranks torchrun launched; the run ends here",
         1,
     )
     assert len(report) == 2, "no hang report"
     rank0 = report[1].split("---- rank 0: in call ----", 1)[1]
     assert "dist.all_reduce(torch.ones(1))  # rank 1 never joins" in rank0.split("---- rank 1")[0]
     assert "---- rank 1: done with its call, waiting for the other ranks ----" in report[1]
-    assert run.combined.count("did not finish within") == 1  # rank 0 alone reports
+    assert run.combined.count("was still running after") == 1  # rank 0 alone reports
+    assert project.records("after") == []
+    assert run.returncodes != [0]
+    assert leftovers == []
+
+
+RANK_TWO_DIES = """
+import os
+import time
+
+import pytest
+
+from rankrec import record
+
+pytestmark = pytest.mark.fsdp2
+
+
+def test_passes_first():
+    record("first")
+
+
+def test_dies_on_rank_two(fsdp2_rank):
+    if fsdp2_rank == 2:
+        record("death", at=time.time())
+        os._exit(3)
+
+
+def test_after():
+    record("after")
+"""
+
+
+def test_a_rank_that_dies_is_named_on_rank_zero(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Two nodes of two: rank 2 (node 1) dies in a call; rank 0 (node 0) names it, and only it."""
+    project = InnerProject(tmp_path_factory.mktemp("rank_two"), new_tag())
+    project.write(test_rank_two=RANK_TWO_DIES)
+    try:
+        run = run_launched(project.path, project.tag, ["test_rank_two.py"])
+        ended = time.time()
+        leftovers = leftover_processes(project.tag)
+    finally:
+        project.kill_leftovers()
+    rank0 = re.search(
+        r"fsdp2: rank 0 (was stopped by the launcher|could not exchange)[^\n]*", run.combined
+    )
+    assert rank0, "rank 0 did not name the cause"
+    assert (
+        "rank 2 stopped answering during the call of test_rank_two.py::test_dies_on_rank_two"
+        in rank0[0]
+    ), rank0[0]
+    assert "exit status or signal is in torchrun's log" in rank0[0]
+    # The ranks that did not die ended through the plugin: they are not named.
+    assert not re.search(r"rank [013] stopped answering", run.combined)
+    assert run.combined.count("stopped answering") == 1  # rank 0 alone reports
+    assert sorted(r["rank"] for r in project.records("first")) == ["0", "1", "2", "3"]
+    assert project.records("after") == []
+    assert run.returncodes != [0, 0]
+    assert leftovers == []
+    (death,) = project.records("death")
+    elapsed = ended - death["at"]
+    assert elapsed < RANK_FAULT_BOUND_S, (
+        f"took {elapsed:.1f} s; the bound is {RANK_FAULT_BOUND_S} s"
+    )
+    note_elapsed(elapsed)
+
+
+STATE = """
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rankrec import record
+
+pytestmark = pytest.mark.fsdp2
+
+
+def test_changes_defaults():
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+
+
+def test_sees_the_usual_defaults():
+    record("usual", dtype=str(torch.get_default_dtype()), grad=torch.is_grad_enabled())
+    assert torch.get_default_dtype() == torch.float32
+    assert torch.is_grad_enabled()
+
+
+def test_restores_what_it_changes():
+    torch.set_default_dtype(torch.float16)
+    torch.set_default_dtype(torch.float32)
+
+
+def test_destroys_the_group(fsdp2_rank):
+    if fsdp2_rank in WHO:
+        record("destroyed", at=time.time())
+        dist.destroy_process_group()
+
+
+def test_after():
+    record("after")
+"""
+
+
+@pytest.mark.parametrize(
+    ("who", "named"),
+    [
+        pytest.param("(0, 1)", "rank 0: ", id="every-rank"),
+        pytest.param("(1,)", "rank 1: ", id="rank-one"),
+    ],
+)
+def test_torch_defaults_are_restored_and_a_destroyed_group_ends_the_run(
+    tmp_path_factory: pytest.TempPathFactory, who: str, named: str
+) -> None:
+    source = STATE.replace("WHO", who)
+    project, run, leftovers = one_node_session(tmp_path_factory, "state", source, ("-rA",))
+    elapsed = time.time() - min(r["at"] for r in project.records("destroyed"))
+    assert elapsed < RANK_FAULT_BOUND_S, (
+        f"took {elapsed:.1f} s; the bound is {RANK_FAULT_BOUND_S} s"
+    )
+    note_elapsed(elapsed)
+    # torch's defaults: put back after the test that changed them, which a warning names on
+    # every rank that changed them (as in the local mode); the next test sees the usual ones.
+    assert (
+        "RankWarning: [ranks 0,1] test_state.py::test_changes_defaults changed the default dtype "
+        "to torch.float64, grad mode to disabled and did not restore it"
+    ) in " ".join(run.combined.split())
+    assert [(r["dtype"], r["grad"]) for r in project.records("usual")] == [
+        ("torch.float32", True)
+    ] * 2
+    assert re.search(r"PASSED \S+::test_sees_the_usual_defaults", run.combined)
+    # negative control: a test that restores what it changed is not named
+    assert "test_restores_what_it_changes changed" not in run.combined
+    # the destroyed default group: the run ends there, rank 0 naming the test and the rank
+    cause = re.search(r"fsdp2: rank 0[^\n]*", run.combined)
+    assert cause, "rank 0 did not name the cause"
+    assert (
+        f"{named}test_state.py::test_destroys_the_group destroyed the default process group in "
+        "its call"
+    ) in cause[0], cause[0]
     assert project.records("after") == []
     assert run.returncodes != [0]
     assert leftovers == []
