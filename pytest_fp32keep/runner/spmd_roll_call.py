@@ -29,10 +29,10 @@ class RollCall:
 
     def __init__(self, rank: int, world_size: int, store: Any = None) -> None:
         if store is None:
-            from torch.distributed.distributed_c10d import _get_default_store
+            from pytest_fp32keep.runner.c10d_groups import default_store
 
-            store = _get_default_store()
-        from torch.distributed.distributed_c10d import PrefixStore
+            store = default_store()
+        from torch.distributed.distributed_c10d import PrefixStore  # public, re-exported
 
         # A restart of the world by the launcher reuses its store: keys of an earlier attempt
         # must not answer for this one.
