@@ -35,6 +35,7 @@ from fp32keep.errors import (
 )
 from fp32keep.plan import KeepPlan
 from fp32keep.plan_use import check_plan_fits
+from fp32keep.reprs import first_few
 from fp32keep.tensors import dtype_name
 
 #: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
@@ -55,9 +56,17 @@ def _torch_blocker() -> str | None:
     )
 
 
+def reduces_below_fp32(mp_policy: MixedPrecisionPolicy) -> bool:
+    """Whether ``mp_policy`` reduces gradients in fewer than 32 bits: kept FP32 gradients
+    averaged in bf16 would lose their low bits (a kept unit drops such a ``reduce_dtype``; the
+    policy path cannot)."""
+    reduce_dtype = mp_policy.reduce_dtype
+    return reduce_dtype is not None and torch.finfo(reduce_dtype).bits < 32
+
+
 def _reduce_blocker(mp_policy: MixedPrecisionPolicy) -> str | None:
     reduce_dtype = mp_policy.reduce_dtype
-    if reduce_dtype is None or torch.finfo(reduce_dtype).bits >= 32:
+    if reduce_dtype is None or not reduces_below_fp32(mp_policy):
         return None
     return (
         f"the policy reduces gradients in {dtype_name(reduce_dtype)}: a unit reduces all its "
@@ -74,9 +83,8 @@ def _storage_blocker(model: nn.Module) -> str | None:
     )
     if not low:
         return None
-    more = f" and {len(low) - 3} more" if len(low) > 3 else ""
     return (
-        f"trainable parameters are stored in low precision ({', '.join(low[:3])}{more}): FSDP2 "
+        f"trainable parameters are stored in low precision ({first_few(low)}): FSDP2 "
         "needs one original dtype per unit, so kept FP32 parameters cannot share units with "
         "them (FP32 master weights, fp32keep.upcast_to_fp32_master, lift this)"
     )
@@ -129,7 +137,7 @@ def keep_policy(
     )
     if degraded:
         raise Fp32KeepValueError(
-            f"keep_policy: kept parameters are not stored in FP32 ({', '.join(degraded[:3])}): "
+            f"keep_policy: kept parameters are not stored in FP32 ({first_few(degraded)}): "
             "the override keeps a parameter in its own dtype only; cast with "
             "fp32keep.keep_aware_cast(model, dtype, plan=plan) first"
         )
@@ -143,16 +151,15 @@ def _keeping(
     kept: list[nn.Parameter],
     callers: Callable[[nn.Parameter], torch.dtype | None] | None,
 ) -> Callable[[nn.Parameter], torch.dtype | None]:
-    """The override: FP32 for the ``kept`` parameters (held, so their ids stay theirs), else the
-    caller's own override's answer."""
-    ids = frozenset(id(param) for param in kept)
+    """The override: FP32 for the ``kept`` parameters (held by the closure, so their ids stay
+    theirs), else the caller's own override's answer."""
+    by_id = {id(param): param for param in kept}
 
     def override(param: nn.Parameter) -> torch.dtype | None:
-        if id(param) in ids:
+        if id(param) in by_id:
             return torch.float32
         return callers(param) if callers is not None else None
 
-    override.kept = tuple(kept)  # type: ignore[attr-defined]
     return override
 
 
@@ -188,8 +195,8 @@ def choose_keeping(
         )
     if keep_by == "units":
         return "units", "keep_by='units'"
-    blocker = policy_blocker(model, mp_policy)
     if keep_by == "policy":
+        blocker = policy_blocker(model, mp_policy)
         if blocker is not None:
             raise Fp32KeepValueError(
                 f"apply_fsdp2(keep_by='policy') cannot keep the plan by the policy: {blocker}; "
@@ -202,6 +209,7 @@ def choose_keeping(
         return "units", "the policy has no low-precision param_dtype to keep them from"
     if grouped:
         return "units", "group_kept asks for kept units"
+    blocker = policy_blocker(model, mp_policy)  # scans the parameters: after the cheap answers
     if blocker is not None:
         return "units", blocker
     return "policy", (

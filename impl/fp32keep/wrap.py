@@ -25,7 +25,7 @@ from fp32keep.errors import (
     hidden_in_tracebacks,
 )
 from fp32keep.gathered import register_gathered_methods
-from fp32keep.keep_policy import KeepBy, choose_keeping, keep_policy
+from fp32keep.keep_policy import KeepBy, choose_keeping, keep_policy, reduces_below_fp32
 from fp32keep.layout import KeptGrouping, Layout, plan_layout
 from fp32keep.observe import ParameterUse
 from fp32keep.plan import KeepPlan, resolve_keep_plan
@@ -77,9 +77,7 @@ def kept_unit_policy(mp_policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
       FP32 gradient dtype): FP32 gradients averaged in bf16 would lose their low bits;
     * every other field (``cast_forward_inputs``) unchanged.
     """
-    reduce_dtype = mp_policy.reduce_dtype
-    if reduce_dtype is not None and torch.finfo(reduce_dtype).bits < 32:
-        reduce_dtype = None
+    reduce_dtype = None if reduces_below_fp32(mp_policy) else mp_policy.reduce_dtype
     return dataclasses.replace(
         mp_policy, param_dtype=None, reduce_dtype=reduce_dtype, output_dtype=None
     )
