@@ -421,7 +421,26 @@ def families(session: nox.Session) -> None:
 
 
 FRAMEWORKS = read_toml(ROOT / "ci" / "matrix.toml")["frameworks"]
-"""``ci/matrix.toml``'s ``[frameworks]``: the Transformers and accelerate pins of ``frameworks``."""
+"""``ci/matrix.toml``'s ``[frameworks]``: the pins of ``frameworks`` (``pins``: distribution ->
+version), those installed without their dependencies (``no_deps``) and what those need
+(``requirements``)."""
+
+
+def install_frameworks(session: nox.Session) -> None:
+    """torch and Transformers as every session installs them, then each other pinned framework
+    (``--no-deps`` where ``[frameworks] no_deps`` says so), then ``requirements``."""
+    pins: dict[str, str] = FRAMEWORKS["pins"]
+    install_stack(session, TorchPin(pins["torch"]), TransformersPin(pins["transformers"]))
+    others = {d: v for d, v in pins.items() if d not in ("torch", "transformers")}
+    have = installed_versions(session, *others)
+    if not have:  # nox -R: installs are skipped
+        return
+    for dist, version in sorted(others.items()):
+        if have.get(dist) != version:
+            no_deps = ("--no-deps",) if dist in FRAMEWORKS["no_deps"] else ()
+            pip_install(session, *no_deps, f"{dist}=={version}")
+    if FRAMEWORKS["requirements"]:
+        pip_install(session, *FRAMEWORKS["requirements"])
 
 
 @nox.session(name="world-sizes", python=PYTHON, default=False)
@@ -470,19 +489,17 @@ def keep_policy(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, default=False)
 def frameworks(session: nox.Session) -> None:
-    """accelerate's and Transformers' own FSDP2 under the contract (tests/frameworks); writes
-    docs/frameworks.md.
+    """Each framework's own FSDP2 under the contract (tests/frameworks); writes docs/frameworks.md.
 
-    Installs the [frameworks] versions of ci/matrix.toml, runs tests/frameworks (collected only
-    with ``--slow`` where those versions are installed), and renders the cases' records into
-    docs/frameworks.json and docs/frameworks.md, also when a case's rows changed (then the
-    session fails, naming the test).
+    Installs the [frameworks] versions of ci/matrix.toml (torch among them, with every pip
+    constraint lifted for this session, as ``keep-policy`` does), runs tests/frameworks
+    (collected only with ``--slow`` where those versions are installed), and renders the cases'
+    records into docs/frameworks.json and docs/frameworks.md, also when a case's rows changed
+    (then the session fails, naming the test).
     Arguments after ``--`` go to pytest.
     """
-    install_stack(session, MATRIX.torch, TransformersPin(FRAMEWORKS["transformers"]))
-    accelerate = f"accelerate=={FRAMEWORKS['accelerate']}"
-    if installed_versions(session, "accelerate").get("accelerate") != FRAMEWORKS["accelerate"]:
-        pip_install(session, accelerate)
+    session.env["PIP_CONSTRAINT"] = os.devnull  # as keep-policy: the torch pin may exceed a cap
+    install_frameworks(session)
     results = ROOT / "build" / "frameworks"
     shutil.rmtree(results, ignore_errors=True)
     env = {"FP32KEEP_FRAMEWORKS_RESULTS": str(results)}

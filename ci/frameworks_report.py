@@ -94,7 +94,10 @@ def render_markdown(data: dict[str, Any]) -> str:
         "`nox -s frameworks`; `tests/frameworks` asserts exactly these rows, so a fix or a "
         "regression in a framework fails that session until this page is regenerated. "
         "`tests/frameworks/test_adapter_fidelity.py` checks that the Transformers adapter lays a "
-        "model out unit for unit as `from_pretrained(..., distributed_config=...)` does.",
+        "model out unit for unit as `from_pretrained(..., distributed_config=...)` does. Each "
+        "failing case names the framework's source lines at the pinned version (`tests/frameworks`"
+        " checks that each cited line holds the cited code) and one `fp32keep check` command, run "
+        "at the root of this repository, that shows the same rows.",
         "",
         "A row is a contract check and what failed it: `(kept)` a tensor the model's keep list "
         "keeps in FP32 or the module that owns it, `(not kept)` any other tensor or module, "
@@ -120,6 +123,10 @@ def render_markdown(data: dict[str, Any]) -> str:
         lines.append(f"- **{_cell(r['setup'])}**, `{r['model']}` {r['dtype']}:")
         if r.get("why"):
             lines.append(f"  - why: {_cell(r['why'])}")
+        if r.get("where"):
+            lines.append(f"  - where: {_cell(r['where'])}")
+        if r.get("reproducer"):
+            lines.append(f"  - reproduce: `{_cell(r['reproducer'])}`")
         if r["crash"]:
             lines.append(f"  - {_cell(_short(r['crash']))}")
         for example in r.get("examples", []):

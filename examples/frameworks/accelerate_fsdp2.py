@@ -12,6 +12,12 @@ What plugs where (``assert_fp32_keep_contract(..., cast=, shard=, load=, master_
   compute, so the contract must run with ``master_dtype=torch.float32``.
 - ``load=accelerate_load``: accelerate's ``fsdp2_load_full_state_dict`` (rank 0 broadcasts).
 
+The fix on torch >= 2.15 is one line in the plugin: ``mixed_precision_policy=fp32keep.keep_policy(
+policy, plan, model)``, with a policy that reduces in FP32 and does not cast forward inputs
+(:func:`keeping_policy`); :func:`accelerate_shard_keeping` is ``accelerate_shard`` with that line.
+accelerate's own FP32 upcast keeps each parameter's identity, so the override that
+``keep_policy`` builds before ``prepare`` still recognises the kept ones.
+
 Running it on CPU (gloo) needs three things, read from accelerate 1.15's source:
 
 1. ``Accelerator(cpu=True)``: without it, a CPU-only machine with torchrun's ``LOCAL_RANK`` set
@@ -42,7 +48,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from fp32keep import KeepPlan, WrapSpec, keep_aware_cast
+from fp32keep import KeepPlan, WrapSpec, keep_aware_cast, keep_policy
 
 MIXED_PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 """accelerate's ``mixed_precision`` string for each low-precision ``param_dtype``."""
@@ -62,6 +68,16 @@ def accelerate_policy(dtype: torch.dtype) -> MixedPrecisionPolicy:
     policy = plugin.mixed_precision_policy
     assert isinstance(policy, MixedPrecisionPolicy)
     return policy
+
+
+def keeping_policy(dtype: torch.dtype) -> MixedPrecisionPolicy:
+    """accelerate's policy as the keep needs it: compute and output in ``dtype`` as accelerate
+    does, but gradients reduced in FP32 (a kept parameter's gradient must not be rounded to
+    ``dtype``) and forward inputs left as they come (a kept module's FP32 output must reach the
+    next unit in FP32, as in the unsharded model)."""
+    return MixedPrecisionPolicy(
+        param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=dtype, cast_forward_inputs=False
+    )
 
 
 def make_accelerator(mp_policy: MixedPrecisionPolicy) -> Accelerator:
@@ -132,6 +148,22 @@ def accelerate_shard(
             "fsdp2_prepare_model returned a new module; the contract shards in place"
         )
     _ACCELERATORS[id(model)] = accelerator
+
+
+def accelerate_shard_keeping(
+    model: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    plan: KeepPlan,
+    wrap: WrapSpec | None,
+) -> None:
+    """:func:`accelerate_shard` with the one-line fix: the plugin's policy wrapped by
+    ``fp32keep.keep_policy``, so every unit accelerate builds all-gathers the plan's parameters
+    in FP32 (torch >= 2.15, FP32 master weights: accelerate's upcast gives those)."""
+    accelerate_shard(
+        model, mesh=mesh, mp_policy=keep_policy(mp_policy, plan, model), plan=plan, wrap=wrap
+    )
 
 
 def accelerate_load(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | None) -> None:

@@ -1,12 +1,12 @@
 """Framework adapters (examples/frameworks/) under the contract: slow tier, pinned versions.
 
 These tests run the contract on several zoo models in two ranks per framework, and each asserts
-the exact failing rows of the framework versions pinned in ``ci/matrix.toml``'s ``[frameworks]``
-(Transformers 5.24, accelerate 1.15.0): breadth, and meaningful only with those versions. So they
-are collected only with ``--slow`` (the suite's one switch, tests/conftest.py) in an environment
-that has exactly those versions, which ``nox -s frameworks`` installs. ``pytest --slow``
-elsewhere does not collect them and says so at the end of the run, naming what is installed:
-never a skip, never a pass. Collected, a missing framework fails the import.
+the exact failing rows of the framework versions pinned in ``ci/matrix.toml``'s
+``[frameworks.pins]`` (torch among them): breadth, and meaningful only with those versions. So
+they are collected only with ``--slow`` (the suite's one switch, tests/conftest.py) in an
+environment that has exactly those versions, which ``nox -s frameworks`` installs. ``pytest
+--slow`` elsewhere does not collect them and says so at the end of the run, naming what is
+installed: never a skip, never a pass. Collected, a missing framework fails the import.
 
 ``FP32KEEP_FRAMEWORKS_RESULTS`` names a folder for one JSON record per case (rank 0 writes it),
 from which ``python -m ci.frameworks_report`` renders ``docs/frameworks.md``.
@@ -25,8 +25,8 @@ from packaging.specifiers import SpecifierSet
 from ci.matrix import read_toml
 from tests.conftest import slow_tier_selected
 
-FRAMEWORKS = read_toml(Path(__file__).parents[2] / "ci" / "matrix.toml")["frameworks"]
-"""The pinned versions: ``{"transformers": "5.24", "accelerate": "1.15.0"}``."""
+FRAMEWORKS = read_toml(Path(__file__).parents[2] / "ci" / "matrix.toml")["frameworks"]["pins"]
+"""The pinned versions: ``{"torch": "2.15", "transformers": "5.24", "accelerate": "1.15.0"}``."""
 
 
 def _pin(version: str) -> SpecifierSet:

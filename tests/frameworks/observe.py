@@ -22,6 +22,7 @@ from pathlib import Path
 
 from pytest_fp32keep import ContractReport, ContractViolation
 from pytest_fp32keep.contract.report import Finding
+from tests.frameworks.harness import Setup
 
 RESULTS_ENV = "FP32KEEP_FRAMEWORKS_RESULTS"
 """Folder for one JSON record per case; unset: nothing is written."""
@@ -102,25 +103,18 @@ def observe(run: Callable[[], ContractReport]) -> Outcome:
     return Outcome(frozenset(), kept=len(report.kept), notes=tuple(report.notes))
 
 
-def record(
-    setup: str,
-    dist: str,
-    description: str,
-    model: str,
-    dtype: str,
-    outcome: Outcome,
-    *,
-    why: str = "",
-) -> None:
+def record(setup: Setup, model: str, dtype: str, outcome: Outcome) -> None:
     """Write the case's JSON record into ``$FP32KEEP_FRAMEWORKS_RESULTS`` (when set)."""
     folder = os.environ.get(RESULTS_ENV)
     if not folder:
         return
-    versions = {name: importlib.metadata.version(name) for name in (dist, "transformers", "torch")}
+    dists = (setup.dist, "transformers", "torch")
+    versions = {name: importlib.metadata.version(name) for name in dists}
+    cause = setup.causes.get(model)
     data = {
-        "setup": setup,
-        "framework": dist,
-        "description": description,
+        "setup": setup.name,
+        "framework": setup.dist,
+        "description": setup.description,
         "versions": versions,
         "model": model,
         "dtype": dtype,
@@ -129,9 +123,13 @@ def record(
         "kept": outcome.kept,
         "examples": list(outcome.examples),
         "notes": list(outcome.notes),
-        "why": why,
+        "why": cause.why if cause and outcome.rows else "",
+        "where": cause.where if cause and outcome.rows else "",
+        "reproducer": setup.reproducer(model),
     }
-    slug = setup.replace(",", "").replace(" ", "-")
+    slug = setup.name.replace(",", "").replace(" ", "-")
+    for char in "'()+>=":
+        slug = slug.replace(char, "")
     path = Path(folder) / f"{slug}--{model}--{dtype}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
