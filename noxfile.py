@@ -496,7 +496,8 @@ def frameworks(session: nox.Session) -> None:
     (collected only with ``--slow`` where those versions are installed), and renders the cases'
     records into docs/frameworks.json and docs/frameworks.md, also when a case's rows changed
     (then the session fails, naming the test).
-    Arguments after ``--`` go to pytest.
+    Arguments after ``--`` go to pytest; a run given any renders into build/ instead (a ``-k``
+    selection is part of the table, which must be one whole run).
     """
     session.env["PIP_CONSTRAINT"] = os.devnull  # as keep-policy: the torch pin may exceed a cap
     install_frameworks(session)
@@ -515,19 +516,20 @@ def frameworks(session: nox.Session) -> None:
     # Exit status 1: every case ran and some differ, still a table; anything else (interrupted,
     # usage or collection errors) would render a partial one.
     complete = failed is None or failed.return_code == 1
+    docs = ROOT / "build" if session.posargs else ROOT / "docs"
     if complete and results.is_dir() and any(results.glob("*.json")):
         session.run(
             "python",
             "-m",
             "ci.frameworks_report",
             f"--results={results}",
-            "--data=docs/frameworks.json",
-            "--output=docs/frameworks.md",
+            f"--data={docs / 'frameworks.json'}",
+            f"--output={docs / 'frameworks.md'}",
         )
     if failed is not None:
         session.error(
             "tests/frameworks failed: a framework's failing rows are not the ones recorded in "
-            "tests/frameworks/test_frameworks.py (docs/frameworks.md now shows the new ones)"
+            f"tests/frameworks/test_frameworks.py ({docs / 'frameworks.md'} now shows the new ones)"
         )
 
 

@@ -78,11 +78,12 @@ Layout
 :mod:`.compare` (:func:`diff_boundaries`) and :mod:`.render` (text tables).
 """
 
-from pytest_fp32keep.contract.probe.compare import BoundaryMismatch, diff_boundaries
+from pytest_fp32keep.contract.probe.compare import diff_boundaries
 from pytest_fp32keep.contract.probe.dtype_probe import DtypeProbe
 from pytest_fp32keep.contract.probe.recorder import ModuleSelector
 from pytest_fp32keep.contract.probe.records import (
     BoundaryDtypes,
+    BoundaryMismatch,
     BoundaryRecord,
     GradRecord,
     MaterializedParamRecord,

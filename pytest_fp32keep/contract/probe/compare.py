@@ -1,63 +1,22 @@
 """Comparing the activation boundaries of two runs: :func:`diff_boundaries`.
 
-It owns :class:`BoundaryMismatch` (one differing or one-sided leaf) and the diff itself, e.g.
-an unsharded reference against the same model under FSDP2; :func:`format_mismatches` in
-:mod:`.render` prints the result.
+The diff of an unsharded reference against the same model under FSDP2, say, as
+:class:`~.records.BoundaryMismatch` records (one differing or one-sided leaf each);
+:func:`format_mismatches` in :mod:`.render` prints the result.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 
 from pytest_fp32keep.contract.probe.dtype_probe import DtypeProbe
 from pytest_fp32keep.contract.probe.records import (
+    BoundaryMismatch,
     BoundaryRecord,
     Direction,
-    _display_fqn,
-    dtype_name,
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class BoundaryMismatch:
-    """A boundary dtype that differs between a reference and an observed run.
-
-    Attributes:
-        fqn: the module.
-        call: the forward call index.
-        direction: ``"input"`` or ``"output"``.
-        path: the leaf path (see :class:`TensorLeaf`).
-        expected: the reference's dtype, ``None`` if the reference had no such leaf.
-        observed: the observed dtype, ``None`` if the observed run had no such leaf.
-    """
-
-    fqn: str
-    call: int
-    direction: Direction
-    path: str
-    expected: torch.dtype | None
-    observed: torch.dtype | None
-
-    def __str__(self) -> str:
-        return (
-            f"{_display_fqn(self.fqn)} call {self.call} {self.direction} {self.path}: "
-            f"expected {dtype_name(self.expected)}, observed {dtype_name(self.observed)}"
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-able form (a missing dtype is ``None``)."""
-        return {
-            "fqn": self.fqn,
-            "call": self.call,
-            "direction": self.direction,
-            "path": self.path,
-            "expected": None if self.expected is None else dtype_name(self.expected),
-            "observed": None if self.observed is None else dtype_name(self.observed),
-        }
 
 
 def _boundaries_of(source: DtypeProbe | Iterable[BoundaryRecord]) -> list[BoundaryRecord]:

@@ -230,3 +230,41 @@ class OpDtypes(NamedTuple):
     op: str
     inputs: tuple[torch.dtype, ...]
     outputs: tuple[torch.dtype, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundaryMismatch:
+    """A boundary dtype that differs between a reference and an observed run.
+
+    Attributes:
+        fqn: the module.
+        call: the forward call index.
+        direction: ``"input"`` or ``"output"``.
+        path: the leaf path (see :class:`TensorLeaf`).
+        expected: the reference's dtype, ``None`` if the reference had no such leaf.
+        observed: the observed dtype, ``None`` if the observed run had no such leaf.
+    """
+
+    fqn: str
+    call: int
+    direction: Direction
+    path: str
+    expected: torch.dtype | None
+    observed: torch.dtype | None
+
+    def __str__(self) -> str:
+        return (
+            f"{_display_fqn(self.fqn)} call {self.call} {self.direction} {self.path}: "
+            f"expected {dtype_name(self.expected)}, observed {dtype_name(self.observed)}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able form (a missing dtype is ``None``)."""
+        return {
+            "fqn": self.fqn,
+            "call": self.call,
+            "direction": self.direction,
+            "path": self.path,
+            "expected": None if self.expected is None else dtype_name(self.expected),
+            "observed": None if self.observed is None else dtype_name(self.observed),
+        }

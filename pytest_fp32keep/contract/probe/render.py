@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from pytest_fp32keep.contract.probe.records import (
+    BoundaryMismatch,
     BoundaryRecord,
     GradRecord,
     MaterializedParamRecord,
@@ -22,9 +22,6 @@ from pytest_fp32keep.contract.probe.records import (
     _display_fqn,
     dtype_name,
 )
-
-if TYPE_CHECKING:
-    from pytest_fp32keep.contract.probe.compare import BoundaryMismatch
 
 
 def _leaves_text(leaves: Sequence[TensorLeaf]) -> str:
