@@ -131,6 +131,65 @@ def test_the_rule_catches_a_violation(tmp_path: Path) -> None:
     assert any(_within(name, "fp32keep") for name in imported)
 
 
+def _import_graph(paths: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the modules of ``paths`` it imports (anywhere in it: lazy and typing-only
+    imports count, since each hides the same circle). A module's own packages are left out:
+    ``from fp32keep import fsdp_hooks`` inside ``fp32keep`` imports the submodule, and a package
+    importing its own submodules is the map's normal direction."""
+    return {
+        name: {
+            imported
+            for _, imported in _imports(path)
+            if imported in paths and imported != name and not _within(name, imported)
+        }
+        for name, path in paths.items()
+    }
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every set of modules that import one another in a circle (strongly connected
+    components of more than one module, Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for imported in sorted(graph[module]):
+            if imported not in index:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in stack:
+                low[module] = min(low[module], index[imported])
+        if low[module] == index[module]:
+            component = []
+            while (top := stack.pop()) != module:
+                component.append(top)
+            if component:
+                circles.append(sorted([module, *component]))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return circles
+
+
+def test_no_import_circle() -> None:
+    """No module of fp32keep or pytest_fp32keep reaches itself through imports: each module
+    can be read after the ones it imports, and a split never hides a circle behind
+    ``TYPE_CHECKING`` or a lazy import."""
+    paths = {_module_name(path): path for folder in (PLUGIN, LIBRARY) for path in _modules(folder)}
+    assert import_circles(_import_graph(paths)) == []
+
+
+def test_the_circle_rule_catches_a_circle() -> None:
+    """Negative control: a three-module circle and a typing-only pair are both found."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"f"}, "f": {"e"}}
+    assert import_circles(graph) == [["a", "b", "c"], ["e", "f"]]
+
+
 @pytest.mark.parametrize("folder", [PLUGIN, LIBRARY], ids=["pytest_fp32keep", "fp32keep"])
 def test_no_module_is_shadowed_by_a_package(folder: Path) -> None:
     """``x.py`` beside ``x/`` is dead code that a wheel would still ship (found after a move)."""
