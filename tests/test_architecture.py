@@ -328,8 +328,8 @@ TORCH_PRIVATE_ATTRIBUTES = {
 #: ``runner/spmd.py``): read off ``self``, they are not torch's.
 OWN_ATTRIBUTES = frozenset({"_world"})
 TORCH_PRIVATE_SHIMS = {
-    "impl/fp32keep/_torch_modules.py": "nn.Module internals",
-    "impl/fp32keep/_torch_dispatch.py": "dispatch and autograd internals",
+    "impl/fp32keep/_torch/modules.py": "nn.Module internals",
+    "impl/fp32keep/_torch/dispatch.py": "dispatch and autograd internals",
     "pytest_fp32keep/contract/torch_dispatch.py": "dispatch and autograd internals",
     "pytest_fp32keep/runner/c10d_recorder.py": "c10d Flight Recorder",
     "pytest_fp32keep/runner/c10d_groups.py": "process-group registry",

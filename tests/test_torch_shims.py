@@ -18,13 +18,14 @@ from packaging.version import Version
 from torch import nn
 from torch.distributed import distributed_c10d
 
-from fp32keep import _torch_dispatch, _torch_modules
+from fp32keep._torch import dispatch as dispatch_shim
+from fp32keep._torch import modules as modules_shim
 from pytest_fp32keep.contract import torch_dispatch as contract_dispatch
 from pytest_fp32keep.runner import c10d_groups, c10d_recorder
 
 SHIMS: dict[str, ModuleType] = {
-    "fp32keep._torch_modules": _torch_modules,
-    "fp32keep._torch_dispatch": _torch_dispatch,
+    "fp32keep._torch.modules": modules_shim,
+    "fp32keep._torch.dispatch": dispatch_shim,
     "pytest_fp32keep.contract.torch_dispatch": contract_dispatch,
     "pytest_fp32keep.runner.c10d_recorder": c10d_recorder,
     "pytest_fp32keep.runner.c10d_groups": c10d_groups,
@@ -94,14 +95,14 @@ def test_the_module_accessors_agree_with_torch_s_public_view() -> None:
     model[1].register_buffer("scratch", torch.zeros(1), persistent=False)
     model[0].register_parameter("unused", None)
     for module in model.modules():
-        params = {k: v for k, v in _torch_modules.own_parameters(module).items() if v is not None}
+        params = {k: v for k, v in modules_shim.own_parameters(module).items() if v is not None}
         assert params == dict(module.named_parameters(recurse=False))
-        buffers = {k: v for k, v in _torch_modules.own_buffers(module).items() if v is not None}
+        buffers = {k: v for k, v in modules_shim.own_buffers(module).items() if v is not None}
         assert buffers == dict(module.named_buffers(recurse=False))
-        assert dict(_torch_modules.own_children(module)) == dict(module.named_children())
-    assert "unused" in _torch_modules.own_parameters(model[0])  # the None slot the view skips
+        assert dict(modules_shim.own_children(module)) == dict(module.named_children())
+    assert "unused" in modules_shim.own_parameters(model[0])  # the None slot the view skips
     state = set(model[1].state_dict())
-    assert _torch_modules.non_persistent_buffers(model[1]) == {"scratch"}
+    assert modules_shim.non_persistent_buffers(model[1]) == {"scratch"}
     assert "scratch" not in state and "running_mean" in state
 
 
@@ -110,13 +111,13 @@ def test_the_module_writers_change_the_module() -> None:
     running_mean = model[0].running_mean
     assert isinstance(running_mean, torch.Tensor)
     halved = running_mean.to(torch.float16)
-    _torch_modules.rebind_buffer(model[0], "running_mean", halved)
+    modules_shim.rebind_buffer(model[0], "running_mean", halved)
     assert model[0].running_mean is halved
-    _torch_modules.apply_to_tensors(model, lambda tensor: tensor.to(torch.float64))
+    modules_shim.apply_to_tensors(model, lambda tensor: tensor.to(torch.float64))
     assert {t.dtype for t in model.state_dict().values() if t.is_floating_point()} == {
         torch.float64
     }
-    assert _torch_modules.call_impl_code().co_name == "_call_impl"
+    assert modules_shim.call_impl_code().co_name == "_call_impl"
 
 
 def test_a_missing_module_internal_names_itself_and_the_torch() -> None:
@@ -125,14 +126,14 @@ def test_a_missing_module_internal_names_itself_and_the_torch() -> None:
 
     hollow = Hollow()
     del hollow._buffers
-    with pytest.raises(_torch_modules.TorchModulesError) as raised:
-        _torch_modules.own_buffers(hollow)
+    with pytest.raises(modules_shim.TorchModulesError) as raised:
+        modules_shim.own_buffers(hollow)
     assert "nn.Module._buffers is missing" in str(raised.value)
     assert f"torch {torch.__version__}" in str(raised.value)
 
 
 def test_backward_running_tells_autograd_s_backward_from_forward() -> None:
-    running = _torch_dispatch.backward_running()
+    running = dispatch_shim.backward_running()
     seen: list[bool] = []
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
@@ -148,25 +149,25 @@ def test_backward_running_tells_autograd_s_backward_from_forward() -> None:
 
 def test_the_version_counter_moves_with_an_in_place_write() -> None:
     tensor = torch.zeros(2)
-    before = _torch_dispatch.version_counter(tensor)
+    before = dispatch_shim.version_counter(tensor)
     tensor.add_(1)
-    assert _torch_dispatch.version_counter(tensor) > before
-    assert _torch_dispatch.version_counter(tensor.clone()) == 0
+    assert dispatch_shim.version_counter(tensor) > before
+    assert dispatch_shim.version_counter(tensor.clone()) == 0
 
 
 def test_a_missing_autograd_internal_names_itself_and_the_torch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delattr(torch._C, "_current_graph_task_id")
-    with pytest.raises(_torch_dispatch.TorchDispatchError) as raised:
-        _torch_dispatch.backward_running()
+    with pytest.raises(dispatch_shim.TorchDispatchError) as raised:
+        dispatch_shim.backward_running()
     assert "torch._C._current_graph_task_id is missing" in str(raised.value)
     assert f"torch {torch.__version__}" in str(raised.value)
 
 
 def test_the_dispatch_shims_hand_out_torch_s_dispatch_mode() -> None:
     expected = _resolve("torch.utils._python_dispatch.TorchDispatchMode")
-    assert _torch_dispatch.TorchDispatchMode is expected
+    assert dispatch_shim.TorchDispatchMode is expected
     assert contract_dispatch.TorchDispatchMode is expected
 
 

@@ -28,7 +28,7 @@ from fp32keep.errors import (
 from fp32keep.gathered import methods_to_gather, register_gathered_methods
 from fp32keep.keep_policy import keep_policy, policy_blocker
 from fp32keep.layout import Layout, Unit, plan_layout
-from fp32keep.load import LoadResult, gather_full_state_dict, load_full_state_dict
+from fp32keep.load.loader import LoadResult, gather_full_state_dict, load_full_state_dict
 from fp32keep.observe import ParameterUse, UnitMembers, observe_parameter_use
 from fp32keep.plan import KeepMatch, KeepPlan, resolve_keep_plan
 from fp32keep.wrap import apply_fsdp2, infer_low_precision_dtype, sharded_layout

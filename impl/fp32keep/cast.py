@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fp32keep._torch_modules import rebind_buffer
+from fp32keep._torch.modules import rebind_buffer
 from fp32keep.errors import hidden_in_tracebacks
 from fp32keep.plan import KeepPlan, resolve_keep_plan
 from fp32keep.plan_use import check_plan_fits, check_plan_for_cast

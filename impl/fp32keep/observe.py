@@ -37,8 +37,8 @@ from typing import Any, NamedTuple, TypeAlias
 import torch
 from torch import nn
 
-from fp32keep._torch_dispatch import TorchDispatchMode, backward_running
-from fp32keep._torch_modules import call_impl_code
+from fp32keep._torch.dispatch import TorchDispatchMode, backward_running
+from fp32keep._torch.modules import call_impl_code
 from fp32keep.errors import Fp32KeepValueError, hidden_in_tracebacks
 from fp32keep.reads import DirectRead
 from fp32keep.tensors import check_module

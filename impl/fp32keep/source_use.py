@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from fp32keep._torch_modules import own_buffers, own_children, own_parameters
+from fp32keep._torch.modules import own_buffers, own_children, own_parameters
 from fp32keep.errors import hidden_in_tracebacks
 
 #: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fp32keep._torch_modules import non_persistent_buffers, own_buffers, own_parameters
+from fp32keep._torch.modules import non_persistent_buffers, own_buffers, own_parameters
 from fp32keep.errors import Fp32KeepTypeError, Fp32KeepValueError, hidden_in_tracebacks
 from fp32keep.reprs import clipped_repr
 

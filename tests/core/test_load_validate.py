@@ -1,6 +1,6 @@
 """The loader's source-side checks as pure functions: no process group, no rank.
 
-``fp32keep.load_validate.validate`` runs on the source rank only; whatever it finds is broadcast
+``fp32keep.load.validate.validate`` runs on the source rank only; whatever it finds is broadcast
 and raised on every rank (tests/multirank/test_load_refusals_fsdp2.py). Here: that it never
 raises, reads each needed value once, and tells tied aliases apart bit for bit; and how the
 refusal of ranks holding different models names what differs.
@@ -12,8 +12,8 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from fp32keep.load_move import Target
-from fp32keep.load_validate import (
+from fp32keep.load.move import Target
+from fp32keep.load.validate import (
     entry_problem,
     layout_differences,
     layout_rows,

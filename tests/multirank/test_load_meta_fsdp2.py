@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 import fp32keep
 from fp32keep import StateDictError
-from fp32keep.load_meta import Fresh
+from fp32keep.load.meta import Fresh
 from pytest_fp32keep.check.zoo.building import instantiate, make_config
 from tests.core.toys import stack_class
 from tests.error_bounds import LIBRARY_BOUND_S

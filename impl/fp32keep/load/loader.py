@@ -4,15 +4,15 @@ The source rank holds the full dict; every other rank passes ``None``. Every ste
 every rank takes part in, so a bad input raises the same error on every rank instead of leaving a
 peer waiting for the process-group timeout:
 
-1. agree (:mod:`fp32keep.load_validate`): every rank reports its own problems (a non-mapping
+1. agree (:mod:`fp32keep.load.validate`): every rank reports its own problems (a non-mapping
    argument, an unsupported layout), its arguments, whether it holds a dict, a fingerprint of its
    model and which of its tensors are on the meta device;
 2. validate: the source rank reads and checks every entry it needs and broadcasts the verdict;
    meta tensors that nothing would initialise are refused from the agreed data;
-3. allocate: meta tensors (and only those) get storage (:mod:`fp32keep.load_meta`), installed
+3. allocate: meta tensors (and only those) get storage (:mod:`fp32keep.load.meta`), installed
    in the model at once only where ``init_buffers`` must run on it; every rank reports how that
    went and which shards it can receive in place;
-4. move (:mod:`fp32keep.load_move`): sharded tensors travel as each rank's own block (from the
+4. move (:mod:`fp32keep.load.move`): sharded tensors travel as each rank's own block (from the
    boxes gathered in step 1: any mesh FSDP2 builds, any ``Shard`` dim), replicated ones by
    broadcast, into that storage; the storage is installed in the model while the first bytes
    travel, and the ranks agree that it was. The destination dtype always wins.
@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from fp32keep._torch_dispatch import version_counter
+from fp32keep._torch.dispatch import version_counter
 from fp32keep.devices import collective_device
 from fp32keep.errors import (
     Fp32KeepError,
@@ -41,9 +41,9 @@ from fp32keep.errors import (
     StateDictError,
     hidden_in_tracebacks,
 )
-from fp32keep.load_meta import Fresh, allocate
-from fp32keep.load_move import Target, collect_targets, cut_evenly, move, scatters_directly
-from fp32keep.load_validate import (
+from fp32keep.load.meta import Fresh, allocate
+from fp32keep.load.move import Target, collect_targets, cut_evenly, move, scatters_directly
+from fp32keep.load.validate import (
     AGREED_ARGUMENTS,
     Report,
     Verdict,
@@ -154,7 +154,7 @@ class _Prepared:
     """How preparing went on this rank; ``outcome`` is what the other ranks are told.
 
     ``fresh`` holds the storage this rank receives its meta tensors into, installed in the model
-    while the first bytes travel (:mod:`fp32keep.load_meta`); empty when they were installed
+    while the first bytes travel (:mod:`fp32keep.load.meta`); empty when they were installed
     before (``init_buffers`` needs a real model) or the rank has no meta tensor.
     """
 
@@ -275,7 +275,7 @@ def load_full_state_dict(
     ``cpu_offload``, else on the collective's device); real tensors are never replaced. Their
     storage is allocated before anything moves (a failure there is refused on every rank, the
     model unchanged), receives the bytes directly, and is installed in the model while the
-    transfer runs (:mod:`fp32keep.load_meta`).
+    transfer runs (:mod:`fp32keep.load.meta`).
 
     * A persistent meta tensor is filled from the dict; one missing from it under
       ``strict=False`` would stay uninitialised, so it is refused on every rank (naming it and

@@ -72,7 +72,7 @@ VERIFIED_TORCH: Mapping[str, str] = MappingProxyType(
 
 
 class TorchModulesError(Fp32KeepRuntimeError):
-    """``nn.Module`` no longer has an internal :mod:`fp32keep._torch_modules` reads."""
+    """``nn.Module`` no longer has an internal :mod:`fp32keep._torch.modules` reads."""
 
 
 def _read(owner: object, name: str) -> Any:

@@ -29,9 +29,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fp32keep._torch_modules import apply_to_tensors
+from fp32keep._torch.modules import apply_to_tensors
 from fp32keep.errors import hidden_in_tracebacks
-from fp32keep.load_move import Target
+from fp32keep.load.move import Target
 
 #: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
 __tracebackhide__ = hidden_in_tracebacks

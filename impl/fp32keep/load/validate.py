@@ -25,7 +25,7 @@ from fp32keep.errors import (
     StateDictError,
     hidden_in_tracebacks,
 )
-from fp32keep.load_move import Box, Target
+from fp32keep.load.move import Box, Target
 from fp32keep.reprs import SHOWN, and_more, clipped_repr, first_few, first_lines
 from fp32keep.tensors import dtype_name
 
@@ -130,7 +130,7 @@ def _model_difference(targets: Sequence[Target], reports: Sequence[Report]) -> s
 def agree(local: Report, src_rank: int, targets: Sequence[Target] = ()) -> list[Report]:
     """Gather every rank's report and raise, on every rank, if the ranks cannot load together.
 
-    ``targets`` are this rank's (:func:`fp32keep.load_move.collect_targets`): when the ranks'
+    ``targets`` are this rank's (:func:`fp32keep.load.move.collect_targets`): when the ranks'
     models differ, the refusal names how.
     """
     rank, world = dist.get_rank(), dist.get_world_size()

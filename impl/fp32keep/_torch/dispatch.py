@@ -4,9 +4,9 @@
 ``TorchDispatchMode``, whose only home is the private ``torch.utils._python_dispatch``, and
 leaves out the operators autograd's engine runs in backward, which only
 ``torch._C._current_graph_task_id`` tells (``-1`` outside a backward graph task on this thread).
-:mod:`fp32keep.load` tells whether ``init_buffers`` wrote into a tensor by its version counter
-(``Tensor._version``: autograd bumps it at every in-place write). torch has no public API for
-these, so this module reads them, and nothing else in the library does
+:mod:`fp32keep.load.loader` tells whether ``init_buffers`` wrote into a tensor by its version
+counter (``Tensor._version``: autograd bumps it at every in-place write). torch has no public
+API for these, so this module reads them, and nothing else in the library does
 (``tests/test_architecture.py`` checks; the plugin's probe has its own shim,
 ``pytest_fp32keep/contract/torch_dispatch.py``, since it may not import this one).
 
@@ -65,7 +65,7 @@ VERIFIED_TORCH: Mapping[str, str] = MappingProxyType(
 
 
 class TorchDispatchError(Fp32KeepRuntimeError):
-    """torch no longer has a dispatch or autograd internal :mod:`fp32keep._torch_dispatch`
+    """torch no longer has a dispatch or autograd internal :mod:`fp32keep._torch.dispatch`
     reads."""
 
 
