@@ -148,17 +148,28 @@ def test_the_good_plug_ins_pass_the_same_validation(no_ranks: None) -> None:
 
 
 def _runs(folder: Path) -> dict[str, list[str]]:
-    master = ("--master-dtype", "fp32", "--load", "none", "--policy", f"{P}:fixed_policy")
+    """Each run's arguments. Rwkv at fp16 is a layout apply_fsdp2 must refuse (the zoo's written
+    expectation): the delegating shard refuses it, the blanket one is judged by the rows."""
+    master = (*T5_FP16, "--master-dtype", "fp32", "--load", "none")
     return {
         "correct": [
-            *("--cast", f"{P}:keep_cast", "--shard", f"{P}:keep_shard"),
-            *("--load", f"{P}:keep_load", "--policy", f"{P}:logged_policy"),
-            *("--report", str(folder / "correct.md")),
+            *("t5", "rwkv", "--dtype", "fp16", "--cast", f"{P}:keep_cast"),
+            *("--shard", f"{P}:keep_shard", "--load", f"{P}:keep_load"),
+            *("--policy", f"{P}:logged_policy", "--report", str(folder / "correct.md")),
         ],
         # the same FP32-master run twice, differing only in the shard: the negative control
-        "master": [*master, "--shard", f"{P}:keep_shard"],
-        "blanket shard": [*master, "--shard", f"{P}:blanket_shard"],
-        "blanket cast": ["--cast", f"{P}:blanket_cast", "--shard", f"{P}:blanket_shard"],
+        "master": [*master, "--policy", f"{P}:fixed_policy", "--shard", f"{P}:keep_shard"],
+        "blanket shard": [
+            *master,
+            "--policy",
+            f"{P}:fixed_policy",
+            "--shard",
+            f"{P}:blanket_shard",
+        ],
+        "blanket cast": [
+            *("t5", "rwkv", "--dtype", "fp16", "--cast", f"{P}:blanket_cast"),
+            *("--shard", f"{P}:blanket_shard"),
+        ],
     }
 
 
@@ -171,8 +182,7 @@ def plugged_runs(
     env = _environment(**{POLICY_LOG: str(policy_log)})
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {
-            name: pool.submit(run_cli, *T5_FP16, *argv, env=env)
-            for name, argv in _runs(folder).items()
+            name: pool.submit(run_cli, *argv, env=env) for name, argv in _runs(folder).items()
         }
         done: dict[str, subprocess.CompletedProcess[str] | Path] = {
             name: future.result() for name, future in futures.items()
@@ -194,8 +204,11 @@ def test_the_correct_plug_ins_pass_and_the_reports_name_them(plugged_runs: dict[
     completed = _run(plugged_runs, "correct")
     out = completed.stdout
     assert completed.returncode == 0, out[-3000:] + completed.stderr[-3000:]
-    assert "1 passed, 0 failed" in out
+    assert "2 passed, 0 failed" in out
     assert f"under test: cast: {P}:keep_cast\n" in out
+    # rwkv: the delegating shard refuses, as apply_fsdp2 must; the legend names the shard
+    assert "rwkv   fp16   autocast  pass (refused)" in out, out
+    assert f"pass (refused) = --shard {P}:keep_shard refused a layout" in _flat(out)
     for step in (f"shard: {P}:keep_shard", f"load: {P}:keep_load", f"policy: {P}:logged_policy"):
         assert f"\n            {step}\n" in out, out
     folder: Path = plugged_runs["folder"]
@@ -206,11 +219,12 @@ def test_the_correct_plug_ins_pass_and_the_reports_name_them(plugged_runs: dict[
         "load": f"{P}:keep_load",
         "policy": f"{P}:logged_policy",
     }
-    assert report["cases"][0]["status"]["round trip"] is True  # the plugged-in loader ran
+    t5 = next(case for case in report["cases"] if case["target"] == "t5")
+    assert t5["status"]["round trip"] is True  # the plugged-in loader ran
     assert f"`shard: {P}:keep_shard`" in (folder / "correct.md").read_text()
-    # the policy function ran in the command (validation) and in each rank, for the dtype
+    # the policy function ran in the command (validation) and in each rank for each case
     calls = sorted((folder / "policy.log").read_text().splitlines())
-    assert calls == ["0 torch.float16", "1 torch.float16", "command torch.float16"]
+    assert calls == ["0 torch.float16"] * 2 + ["1 torch.float16"] * 2 + ["command torch.float16"]
 
 
 def test_a_blanket_fully_shard_fails_materialized_where_fp32keeps_wrapping_passes(
@@ -239,6 +253,11 @@ def test_a_blanket_cast_fails_stored(plugged_runs: dict[str, Any]) -> None:
     assert f"under test: cast: {P}:blanket_cast shard: {P}:blanket_shard" in out
     row = "- `stored` encoder.block.0.layer.1.DenseReluDense.wo.weight: expected float32, observed"
     assert f"{row} float16" in out, out[-3000:]
+    # rwkv, which apply_fsdp2 must refuse: a shard of the user's that does not refuse is judged
+    # by the contract's rows (here stored), not failed for not refusing as apply_fsdp2 would be
+    rwkv = next(line for line in completed.stdout.splitlines() if line.startswith("rwkv "))
+    assert rwkv.split()[3:5] == ["FAIL", "FAIL"], rwkv
+    assert "not refused" not in out and "expected apply_fsdp2 to refuse" not in out
 
 
 def test_load_none_reports_the_round_trip_as_not_judged(plugged_runs: dict[str, Any]) -> None:
