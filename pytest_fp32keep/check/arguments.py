@@ -236,7 +236,7 @@ def _plugin_arguments(check: argparse.ArgumentParser) -> None:
     )
     plugins.add_argument(
         "--load",
-        metavar="MODULE:FUNCTION",
+        metavar="MODULE:FUNCTION|none",
         help="function(model, state_dict) that loads a full state dict held by rank 0 into the "
         "sharded model; 'none': load nothing, the round trip is not judged (frameworks that "
         "load only inside their own from_pretrained)",

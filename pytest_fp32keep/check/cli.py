@@ -14,7 +14,7 @@ automatically shrunk configs (:mod:`pytest_fp32keep.check.families`); a family t
 build is a ``not buildable (reason)`` note, not a crash; ``--list --all-families`` lists them with
 whether each builds. ``--cast``, ``--shard``, ``--load`` and ``--policy`` plug a framework's own
 steps into every case (:mod:`.plugins`). Exit status: 0 when every case passes, 1 when
-one does not, 2 for a usage error or a bad TARGET.
+one does not, 2 for a usage error, a bad TARGET or a bad plug-in.
 
 Everything a user can get wrong on the command line (options, TARGETs, report paths) is found
 here, before any rank starts. The ranks write to this command's stdout and stderr (see
