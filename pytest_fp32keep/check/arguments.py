@@ -166,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="function(model) -> batch for the package.module:factory TARGETs (zoo entries "
         "build their own)",
     )
+    _plugin_arguments(check)
     check.add_argument(
         "--report",
         type=_report_path("--report", ".json", "--report-json"),
@@ -214,6 +215,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.set_defaults(usage_error=check.error)  # errors that need several options at once
     return parser
+
+
+def _plugin_arguments(check: argparse.ArgumentParser) -> None:
+    """--cast, --shard, --load, --policy: a framework's own steps in every case of the run
+    (checked before any rank starts: :mod:`.plugins`)."""
+    plugins = check.add_argument_group(
+        "your own implementation (each replaces fp32keep's step in every case; default: "
+        "fp32keep's own)"
+    )
+    plugins.add_argument(
+        "--cast",
+        metavar="MODULE:FUNCTION",
+        help="function(model, dtype, plan) that casts the model for low-precision training",
+    )
+    plugins.add_argument(
+        "--shard",
+        metavar="MODULE:FUNCTION",
+        help="function(model, *, mesh, mp_policy, plan, wrap) that shards it with FSDP2",
+    )
+    plugins.add_argument(
+        "--load",
+        metavar="MODULE:FUNCTION|none",
+        help="function(model, state_dict) that loads a full state dict held by rank 0 into the "
+        "sharded model; 'none': load nothing, the round trip is not judged (frameworks that "
+        "load only inside their own from_pretrained)",
+    )
+    plugins.add_argument(
+        "--policy",
+        metavar="MODULE:FUNCTION",
+        help="function(dtype) -> MixedPrecisionPolicy, called for each --dtype (a function "
+        "that takes no argument is called with none); default: MixedPrecisionPolicy("
+        "param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)",
+    )
 
 
 def versions() -> dict[str, str]:

@@ -2,7 +2,9 @@
 
     fp32keep check [TARGET ...] [--nproc N] [--dtype bf16,fp16] [--context autocast,direct]
                    [--prefetch] [--master-dtype fp32] [--measure-spread] [--expect-kept N]
-                   [--batch MODULE:FUNCTION] [--report FILE.md] [--report-json FILE.json]
+                   [--batch MODULE:FUNCTION] [--cast MODULE:FUNCTION] [--shard MODULE:FUNCTION]
+                   [--load MODULE:FUNCTION|none] [--policy MODULE:FUNCTION]
+                   [--report FILE.md] [--report-json FILE.json]
                    [--timeout SECONDS] [--launcher auto|local|external]
 
 A TARGET is a zoo name (``fp32keep check --list`` shows them) or ``package.module:factory``, a
@@ -10,8 +12,9 @@ zero-argument function returning an ``nn.Module``. ``--family NAME`` (repeatable
 ``transformers/models``) and ``--all-families`` add Transformers model families, built from
 automatically shrunk configs (:mod:`pytest_fp32keep.check.families`); a family that does not
 build is a ``not buildable (reason)`` note, not a crash; ``--list --all-families`` lists them with
-whether each builds. Exit status: 0 when every case passes, 1 when
-one does not, 2 for a usage error or a bad TARGET.
+whether each builds. ``--cast``, ``--shard``, ``--load`` and ``--policy`` plug a framework's own
+steps into every case (:mod:`.plugins`). Exit status: 0 when every case passes, 1 when
+one does not, 2 for a usage error, a bad TARGET or a bad plug-in.
 
 Everything a user can get wrong on the command line (options, TARGETs, report paths) is found
 here, before any rank starts. The ranks write to this command's stdout and stderr (see
@@ -146,6 +149,8 @@ def _write_reports(args: argparse.Namespace, result: dict[str, Any]) -> str | No
 def check(args: argparse.Namespace, usage_error: UsageError) -> int:
     """Validate options and targets here, run every case in the ranks, print and write the
     report."""
+    from pytest_fp32keep.check.plugins import Plugins, resolve_plugins
+    from pytest_fp32keep.check.ranks import DTYPES
     from pytest_fp32keep.check.targets import (
         TargetError,
         family_spec,
@@ -165,6 +170,8 @@ def check(args: argparse.Namespace, usage_error: UsageError) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
+        plugins = Plugins.from_args(args)
+        resolve_plugins(plugins, [DTYPES[name] for name in args.dtype])  # before any rank
         families, not_buildable = _families(args)
         targets, unavailable = (
             resolve_targets(args.targets, args.batch)
@@ -189,6 +196,7 @@ def check(args: argparse.Namespace, usage_error: UsageError) -> int:
     spec = {
         "targets": [*args.targets, *(family_spec(name) for name in families)],
         "batch": args.batch,
+        "plugins": plugins.to_dict(),
         "dtypes": args.dtype,
         "autocast": [context == "autocast" for context in args.context],
         "prefetch": [False, True] if args.prefetch else [False],
@@ -221,6 +229,7 @@ def check(args: argparse.Namespace, usage_error: UsageError) -> int:
         date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         seconds=round(time.monotonic() - started, 1),
         unavailable=dict(unavailable),
+        plugins=plugins.to_dict(),
     )
     print(("\n" if progress else "") + render_text(result, width))
     failed = sum(1 for case in result["cases"] if not case["ok"])

@@ -51,6 +51,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fp32keep import KeepLayoutError
+from pytest_fp32keep.check.plugins import Plugins, ResolvedPlugins, resolve_plugins
 from pytest_fp32keep.check.rank_output import GlooConnectedLines
 from pytest_fp32keep.check.rank_verdicts import merge_case
 from pytest_fp32keep.check.render import progress_line
@@ -143,6 +144,7 @@ def _run_case(
     master_dtype: str | None = None,
     measure_spread: bool = False,
     expect_kept: int | None = None,
+    plugins: ResolvedPlugins | None = None,
 ) -> dict[str, Any]:
     # The same seed before every case on every rank: a --batch function that draws from the
     # global generators builds the same batch in every rank and every run (the model itself is
@@ -150,13 +152,19 @@ def _run_case(
     random.seed(CASE_SEED)
     torch.manual_seed(CASE_SEED)
     mesh = init_device_mesh(device, (dist.get_world_size(),))
+    plugins = plugins or ResolvedPlugins()
+    # The zoo's written refusals are apply_fsdp2's: a --shard of the user's is judged by the
+    # contract's rows instead, never failed for not refusing (a refusal it raises is judged
+    # against what is written, as apply_fsdp2's is: judge_refusal).
+    written_refusal = target.refusal_expected(DTYPES[dtype_name]) and not (
+        master_dtype == "fp32" and TORCH_OVERRIDES_PARAM_DTYPE
+    )
     case: dict[str, Any] = {
         "target": target.name,
         "dtype": dtype_name,
         "context": f"{'autocast' if autocast else 'direct'}{', prefetch' if prefetch else ''}",
         # from the zoo's written expectations, never from the plan under test
-        "expect_layout_error": target.refusal_expected(DTYPES[dtype_name])
-        and not (master_dtype == "fp32" and TORCH_OVERRIDES_PARAM_DTYPE),
+        "expect_layout_error": written_refusal and plugins.shard is None,
         "status": {},
         "kept": [],
         "failures": [],
@@ -173,8 +181,10 @@ def _run_case(
             master_dtype=MASTER_DTYPES[master_dtype],
             measure_spread=measure_spread,
             expect_kept=expect_kept,
+            **plugins.contract_kwargs(DTYPES[dtype_name]),
         )
     except KeepLayoutError as error:
+        case["expect_layout_error"] = written_refusal
         judge_refusal(case, target, DTYPES[dtype_name], error)
         return case
     except ContractViolation as violation:
@@ -250,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(spec: dict[str, Any], out_path: str) -> None:
     device = _init()
     targets, _ = resolve_targets(spec["targets"], spec.get("batch"))
+    plugins = resolve_plugins(Plugins.from_dict(spec.get("plugins") or {}))
     runs = [
         (target, dtype_name, autocast, prefetch)
         for target in targets
@@ -267,6 +278,7 @@ def _run(spec: dict[str, Any], out_path: str) -> None:
                     spec.get("master_dtype"),
                     bool(spec.get("measure_spread")),
                     spec.get("expect_kept"),
+                    plugins,
                 )
             )
             if merged is None:

@@ -156,6 +156,34 @@ def header_line(result: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+#: Who runs each step no ``--cast``/``--shard``/``--load``/``--policy`` replaces.
+OWN_STEPS = {
+    "cast": "fp32keep's own",
+    "shard": "fp32keep's own (apply_fsdp2)",
+    "load": "fp32keep's own",
+    "policy": "the default",
+}
+
+
+def implementation_steps(result: dict[str, Any]) -> list[str]:
+    """``["cast: fp32keep's own", "shard: my.module:shard", ...]``: what ran each step, where
+    the command plugged anything in (empty where fp32keep's own steps all ran)."""
+    plugins = result.get("plugins") or {}
+    if not any(plugins.values()):
+        return []
+    steps = []
+    for step, own in OWN_STEPS.items():
+        value = plugins.get(step)
+        if value == "none" and step == "load":
+            value = "none (round trip not judged)"
+        steps.append(f"{step}: {value or own}")
+    return steps
+
+
+def _load_judged(result: dict[str, Any]) -> bool:
+    return (result.get("plugins") or {}).get("load") != "none"
+
+
 #: What each check column means, for the legend.
 _MEANING = (
     "dtype at rest",
@@ -168,16 +196,21 @@ _MEANING = (
 )
 
 
-def legend_text(cases: list[dict[str, Any]], *, short_headers: bool) -> str:
+def legend_text(
+    cases: list[dict[str, Any]], *, short_headers: bool, plugins: dict[str, Any] | None = None
+) -> str:
     """What the cells mean; the parts about refusals and never-gathered tensors only when such
-    cells are shown."""
+    cells are shown. ``plugins`` (the result's): who shards and loads, where the user's own
+    functions replaced fp32keep's."""
+    plugins = plugins or {}
     names = SHORT_CHECK_HEADERS if short_headers else CHECK_COLUMNS
     parts = [
         f"{name} = {what}" + (f" ({full})" if full not in (name, "operators", "round trip") else "")
         for name, full, what in zip(names, CHECK_COLUMNS, _MEANING, strict=True)
     ]
     text = "; ".join(parts)
-    text += "; - = nothing to observe (nothing kept), or not run (a step it needs crashed). "
+    text += "; - = nothing to observe (nothing kept), or not run (a step it needs crashed"
+    text += "; the round trip with --load none). " if plugins.get("load") == "none" else "). "
     text += "kept N = tensors kept in FP32: stored / all-gathered dtype"
     if any(row.get("materialized") == "-" for case in cases for row in case.get("kept", [])):
         text += " (- = never all-gathered, e.g. a buffer)"
@@ -188,8 +221,9 @@ def legend_text(cases: list[dict[str, Any]], *, short_headers: bool) -> str:
             " so it checked nothing kept (a note says why; --expect-kept N fails such a case)."
         )
     if any(case["outcome"] == "refused" for case in cases):
+        who = f"--shard {plugins['shard']}" if plugins.get("shard") else "apply_fsdp2"
         text += (
-            " pass (refused) = apply_fsdp2 refused a layout FSDP2 cannot keep"
+            f" pass (refused) = {who} refused a layout FSDP2 cannot keep"
             " (KeepLayoutError), as expected for this model."
         )
     return text
@@ -210,6 +244,11 @@ def notes(result: dict[str, Any]) -> list[str]:
             "differ, and this check would report it)."
         )
     found += nothing_kept_notes(result["cases"])
+    if not _load_judged(result):
+        found.append(
+            "round trip not judged: --load none loaded no state dict, so every case computed "
+            "with the weights it was built with"
+        )
     for name, reason in result.get("unavailable", {}).items():
         found.append(f"not checked: {name}: {reason}")
     return found
@@ -264,8 +303,12 @@ def render_text(result: dict[str, Any], width: int) -> str:
     cases = result["cases"]
     prose = min(width, PROSE_WIDTH)
     lines = wrap_text(header_line(result), prose, first="fp32keep check: ", rest="  ")
+    for index, step in enumerate(implementation_steps(result)):  # a line each: one to copy
+        first = "under test: " if index == 0 else " " * len("under test: ")
+        lines += wrap_text(step, prose, first=first, rest=first + "  ")
     lines += ["", *render_table_text(cases, width), ""]
-    lines += wrap_text(legend_text(cases, short_headers=True), prose, first="legend: ", rest="  ")
+    legend = legend_text(cases, short_headers=True, plugins=result.get("plugins"))
+    lines += wrap_text(legend, prose, first="legend: ", rest="  ")
     for note in notes(result):
         lines += wrap_text(note, prose, first="note: ", rest="  ")
     for case in cases:
@@ -289,11 +332,16 @@ def render_markdown(result: dict[str, Any]) -> str:
         "",
         f"{passed} of {len(cases)} cases pass — {header_line(result)}, {result['date']}.",
         "",
+    ]
+    steps = implementation_steps(result)
+    if steps:
+        lines += [f"Under test: {'; '.join(f'`{step}`' for step in steps)}.", ""]
+    lines += [
         "| " + " | ".join(HEADER) + " |",
         "|" + "---|" * len(HEADER),
     ]
     lines += ["| " + " | ".join(row) + " |" for row in _rows(cases)]
-    lines += ["", legend_text(cases, short_headers=False)]
+    lines += ["", legend_text(cases, short_headers=False, plugins=result.get("plugins"))]
     lines += [f"\n*Note:* {note}" for note in notes(result)]
     for case in (case for case in cases if not case["ok"]):
         title = f"{case['target']} {case['dtype']} ({case['context']})"

@@ -93,11 +93,17 @@ def _language_model_batch(model: nn.Module) -> dict[str, torch.Tensor]:
     return batch
 
 
-def _import_attribute(spec: str, *, what: str) -> object:
+def import_attribute(spec: str, *, what: str) -> object:
+    """The attribute ``spec`` (``package.module:NAME``) names, imported as the ranks import it.
+
+    ``what`` is where the spec came from (``TARGET``, ``--batch``, ``--shard`` ...): every
+    error is a :class:`TargetError` naming it and the spec.
+    """
     module_name, sep, attribute = spec.partition(":")
     if not sep or not module_name or not attribute:
+        alternative = " (or a zoo name)" if what == "TARGET" else ""
         raise TargetError(
-            f"{what} {spec!r} is not of the form package.module:function (or a zoo name)"
+            f"{what} {spec!r} is not of the form package.module:function{alternative}"
         )
     try:
         module = importlib.import_module(module_name)
@@ -113,9 +119,19 @@ def _import_attribute(spec: str, *, what: str) -> object:
         ) from None
 
 
+def import_callable(spec: str, *, what: str) -> Callable[..., Any]:
+    """:func:`import_attribute`, refusing anything that cannot be called."""
+    found = import_attribute(spec, what=what)
+    if not callable(found):
+        raise TargetError(
+            f"{what} {spec!r} is a {type(found).__name__}, not callable: name a function"
+        )
+    return found
+
+
 def user_target(spec: str, batch_spec: str | None = None) -> Target:
     """Resolve ``package.module:factory``; the factory is called once here to validate it."""
-    factory = _import_attribute(spec, what="TARGET")
+    factory = import_attribute(spec, what="TARGET")
     if not callable(factory):
         raise TargetError(f"TARGET {spec!r} is a {type(factory).__name__}, not a callable factory")
     try:
@@ -130,10 +146,7 @@ def user_target(spec: str, batch_spec: str | None = None) -> Target:
         )
     make_batch: Callable[[nn.Module], Any] = _language_model_batch
     if batch_spec is not None:
-        batch = _import_attribute(batch_spec, what="--batch")
-        if not callable(batch):
-            raise TargetError(f"--batch {batch_spec!r} is not callable")
-        make_batch = batch
+        make_batch = import_callable(batch_spec, what="--batch")
     else:
         try:
             make_batch(built)  # fail now, with the message, rather than in every rank
