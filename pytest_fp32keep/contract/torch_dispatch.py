@@ -3,7 +3,7 @@
 The probe (:mod:`.probe.recorder`) records every operator a probed module runs through a
 ``TorchDispatchMode``, whose only home is the private ``torch.utils._python_dispatch``. This
 module imports it, and nothing else in the plugin does (``tests/test_architecture.py`` checks;
-the library reads the same class through its own shim, ``fp32keep._torch_dispatch``, which the
+the library reads the same class through its own shim, ``fp32keep._torch.dispatch``, which the
 plugin may not import: it is not among ``fp32keep``'s exports).
 
 The private name read here is in :data:`PRIVATE_READS`, and the torch releases it was verified on
