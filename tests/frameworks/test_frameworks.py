@@ -9,11 +9,14 @@ with their causes, into ``docs/frameworks.md``.
 from __future__ import annotations
 
 import importlib.util
+import shlex
 from pathlib import Path
 
 import pytest
 from torch.distributed.device_mesh import DeviceMesh
 
+from pytest_fp32keep.check.arguments import build_parser
+from pytest_fp32keep.check.plugins import Plugins, resolve_plugins
 from tests.frameworks.cases import accelerate, fp32keep_control, transformers
 from tests.frameworks.harness import DTYPES, MODELS, Setup, Source
 from tests.frameworks.observe import observe, record
@@ -63,3 +66,15 @@ def test_cited_source_line_holds_what_the_cause_says(source: Source) -> None:
         f"{source.path}:{source.line} is {lines[source.line - 1].strip()!r}; "
         f"the cited text is on line(s) {found}"
     )
+
+
+@pytest.mark.parametrize(("setup", "model"), CASES)
+def test_reproducer_is_a_command_fp32keep_check_runs(setup: str, model: str) -> None:
+    """The table's one-line reproducer parses as ``fp32keep check`` options and every function
+    it plugs in imports and has the signature the contract calls (what the command checks
+    before it starts a rank)."""
+    command = shlex.split(SETUPS[setup].reproducer(model))
+    assert command[:2] == ["fp32keep", "check"], command
+    args = build_parser().parse_args(command[1:])
+    assert args.targets == [model] and len(args.dtype) == 1
+    resolve_plugins(Plugins.from_args(args), [DTYPES[MODELS[model]]])
