@@ -116,6 +116,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the FP32-keep contract in N ranks and print a table",
         description="Run the FP32-keep contract on the built-in zoo (default) or on TARGETs.",
     )
+    _case_arguments(check)
+    _plugin_arguments(check)
+    _run_arguments(check)
+    _family_arguments(check)
+    check.set_defaults(usage_error=check.error)  # errors that need several options at once
+    return parser
+
+
+def _case_arguments(check: argparse.ArgumentParser) -> None:
+    """What is checked and how: the targets, ranks, dtypes, forward context, master weights."""
     check.add_argument(
         "targets", nargs="*", metavar="TARGET", help="zoo name or package.module:factory"
     )
@@ -166,7 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="function(model) -> batch for the package.module:factory TARGETs (zoo entries "
         "build their own)",
     )
-    _plugin_arguments(check)
+
+
+def _run_arguments(check: argparse.ArgumentParser) -> None:
+    """Where the report goes, how long the ranks may take and who starts them."""
     check.add_argument(
         "--report",
         type=_report_path("--report", ".json", "--report-json"),
@@ -194,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(every process of a world torchrun or srun launched runs this command; rank 0 prints), "
         "'auto' (external under torchrun, else local; default)",
     )
+
+
+def _family_arguments(check: argparse.ArgumentParser) -> None:
+    """The Transformers families checked beside (or instead of) the zoo."""
     check.add_argument(
         "--family",
         action="append",
@@ -213,8 +230,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="list the zoo entries and exit; with --family/--all-families, list those families "
         "and whether each builds",
     )
-    check.set_defaults(usage_error=check.error)  # errors that need several options at once
-    return parser
 
 
 def _plugin_arguments(check: argparse.ArgumentParser) -> None:
