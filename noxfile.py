@@ -422,13 +422,14 @@ def families(session: nox.Session) -> None:
 
 FRAMEWORKS = read_toml(ROOT / "ci" / "matrix.toml")["frameworks"]
 """``ci/matrix.toml``'s ``[frameworks]``: the pins of ``frameworks`` (``pins``: distribution ->
-version), those installed without their dependencies (``no_deps``) and what those need
-(``requirements``)."""
+version), those installed without their dependencies (``no_deps``), what those need
+(``requirements``) and those installed whatever Python they declare (``ignore_requires_python``)."""
 
 
 def install_frameworks(session: nox.Session) -> None:
     """torch and Transformers as every session installs them, then each other pinned framework
-    (``--no-deps`` where ``[frameworks] no_deps`` says so), then ``requirements``."""
+    (``--no-deps`` where ``[frameworks] no_deps`` says so, ``--ignore-requires-python`` where
+    ``ignore_requires_python`` does), then ``requirements``."""
     pins: dict[str, str] = FRAMEWORKS["pins"]
     install_stack(session, TorchPin(pins["torch"]), TransformersPin(pins["transformers"]))
     others = {d: v for d, v in pins.items() if d not in ("torch", "transformers")}
@@ -438,7 +439,9 @@ def install_frameworks(session: nox.Session) -> None:
     for dist, version in sorted(others.items()):
         if have.get(dist) != version:
             no_deps = ("--no-deps",) if dist in FRAMEWORKS["no_deps"] else ()
-            pip_install(session, *no_deps, f"{dist}=={version}")
+            python = FRAMEWORKS.get("ignore_requires_python", ())
+            any_python = ("--ignore-requires-python",) if dist in python else ()
+            pip_install(session, *no_deps, *any_python, f"{dist}=={version}")
     if FRAMEWORKS["requirements"]:
         pip_install(session, *FRAMEWORKS["requirements"])
 

@@ -116,6 +116,18 @@ def make_accelerator(mp_policy: MixedPrecisionPolicy) -> Accelerator:
     return accelerator
 
 
+def require_world_mesh(mesh: DeviceMesh, shard: str) -> None:
+    """Refuse (naming ``shard``) a mesh other than a 1-D one over every rank: without a
+    ``ParallelismConfig`` accelerate (and trl) pass ``mesh=None`` to ``fully_shard``, whose
+    default mesh spans the whole world, so the contract's mesh must too."""
+    world = torch.distributed.get_world_size()
+    if mesh.ndim != 1 or mesh.size() != world:
+        raise ValueError(
+            f"{shard} needs a 1-D mesh over all {world} ranks (it shards on fully_shard's "
+            f"default mesh); got a mesh of shape {tuple(mesh.shape)}"
+        )
+
+
 _ACCELERATORS: dict[int, Accelerator] = {}
 """The accelerator that sharded each model (by ``id``), for :func:`accelerate_load`."""
 
@@ -133,12 +145,7 @@ def accelerate_shard(
     ``plan`` and ``wrap`` are ignored: accelerate knows no keep list and wraps
     ``_no_split_modules`` itself; that is what the contract judges.
     """
-    world = torch.distributed.get_world_size()
-    if mesh.ndim != 1 or mesh.size() != world:
-        raise ValueError(
-            f"accelerate_shard needs a 1-D mesh over all {world} ranks (accelerate shards on "
-            f"fully_shard's default mesh); got a mesh of shape {tuple(mesh.shape)}"
-        )
+    require_world_mesh(mesh, "accelerate_shard")
     accelerator = make_accelerator(mp_policy)
     prepared = fsdp2_prepare_model(accelerator, model)
     if (
