@@ -248,8 +248,6 @@ def apply_fsdp2(
         model, plan, mp_policy, keep_by=keep_by, grouped=group_kept is not False
     )
     observed = agreed_observation(model, observed, mesh, plan, example_inputs=example_inputs)
-    if observed is None:
-        _warn_unseen(model)
     layout = None
     if keeps == "policy":
         layout = _policy_layout(model, plan, wrap, observed, refuse=keep_by == "policy")
@@ -268,14 +266,17 @@ def apply_fsdp2(
             observed=observed,
         )
         layout = dataclasses.replace(layout, why=why)
+    if observed is None:
+        _warn_unseen(model, layout)
     _shard(model, layout, mesh, policy, reshard_after_forward, offload_policy)
     _SHARDED[model] = layout
     return model
 
 
-def _warn_unseen(model: nn.Module) -> None:
-    """The :class:`fp32keep.SourceFallbackWarning` for what the source fallback cannot judge."""
-    unseen = unseen_uses(model)
+def _warn_unseen(model: nn.Module, layout: Layout) -> None:
+    """The :class:`fp32keep.SourceFallbackWarning` for what the source fallback cannot judge
+    about the modules of ``layout``'s units."""
+    unseen = unseen_uses(model, {fqn for unit in layout.units for fqn in unit.module_fqns})
     if unseen:
         shown = "; ".join(unseen[:5]) + (f"; and {len(unseen) - 5} more" if len(unseen) > 5 else "")
         warnings.warn(

@@ -110,10 +110,15 @@ def test_negative_control_the_same_encoder_reading_the_weight_is_refused() -> No
     )
 
 
+def warn(model: nn.Module) -> None:
+    """apply_fsdp2's warning for ``model`` laid out from its source."""
+    _warn_unseen(model, plan_layout(model, resolve(model, BF16, transformers_version=SEMANTICS)))
+
+
 def test_the_fallback_warning_names_what_it_cannot_see_and_the_fix() -> None:
     model = cast(HelperStack())
     with within(LIBRARY_BOUND_S), pytest.warns(SourceFallbackWarning) as caught:
-        _warn_unseen(model)
+        warn(model)
     text = str(caught[0].message)
     assert "HelperStack.forward(): self.codec.get_encoded_length(...)" in text
     assert "HelperStack.forward(): self.codec.encode(...)" in text
@@ -121,6 +126,6 @@ def test_the_fallback_warning_names_what_it_cannot_see_and_the_fix() -> None:
     # Negative control: a model whose source shows nothing the rule cannot judge warns nothing.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _warn_unseen(cast(ReadStack()))
-        _warn_unseen(cast(CommentedStack()))
+        warn(cast(ReadStack()))
+        warn(cast(CommentedStack()))
     assert unseen_uses(cast(CommentedStack())) == []

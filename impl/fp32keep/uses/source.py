@@ -5,10 +5,11 @@ methods registered with ``register_fsdp_forward_method``, nowhere else. What a f
 is observed (:func:`fp32keep.observe_parameter_use`, which :func:`fp32keep.apply_fsdp2` runs
 on ``example_inputs=``); without inputs, this module reads one thing from the source:
 
-**The rule.** In the methods a module's classes resolve to (its MRO's model classes, every
-method but construction: ``__init__``, ``_init*``), each outermost attribute chain
-``self.A.B.C`` of the syntax tree (Python's ``ast``: comments are gone, a string is a constant,
-never a chain) is resolved against the module tree, from that module down. It is
+**The rule.** In a module's ``forward`` (as its class resolves it, through the MRO's model
+classes) and the methods that ``forward`` calls on ``self`` or through ``super()``, each
+outermost attribute chain ``self.A.B.C`` of the syntax tree (Python's ``ast``: comments are
+gone, a string is a constant, never a chain) is resolved against the module tree, from that
+module down. It is
 
 * a **read** of a parameter or buffer where it ends at one (``self.embed_positions.weight``),
   unless it goes on to metadata (``.dtype``, ``.shape``) or is only looked at
@@ -147,33 +148,87 @@ def model_classes(cls: type) -> Iterator[type]:
         yield base
 
 
+@dataclass(frozen=True)
+class _Method:
+    """One method's source, as the rule reads it: its chains, and the methods it calls on
+    ``self`` (``self.helper(...)``) and through ``super()`` (``super().forward(...)``)."""
+
+    chains: tuple[_Chain, ...]
+    on_self: frozenset[str]
+    on_super: frozenset[str]
+
+
 @functools.lru_cache(maxsize=1024)
-def _chains(cls: type) -> tuple[_Chain, ...]:
-    """Each outermost ``self.A.B...`` in the runtime methods of ``cls``'s own source."""
+def _methods(cls: type) -> dict[str, _Method]:
+    """The methods ``cls``'s own source defines (do not change the mapping: it is cached)."""
     try:
         tree = ast.parse(source_of(cls))
     except SyntaxError:
-        return ()
+        return {}
     klass = tree.body[0] if tree.body and isinstance(tree.body[0], ast.ClassDef) else None
-    found: list[_Chain] = []
+    found: dict[str, _Method] = {}
     for method in klass.body if klass is not None else ():
-        if not isinstance(method, ast.FunctionDef | ast.AsyncFunctionDef):
+        if isinstance(method, ast.FunctionDef | ast.AsyncFunctionDef):
+            found[method.name] = _read_method(method)
+    return found
+
+
+def _read_method(method: ast.FunctionDef | ast.AsyncFunctionDef) -> _Method:
+    chains: list[_Chain] = []
+    on_self: set[str] = set()
+    on_super: set[str] = set()
+    parents = {child: node for node in ast.walk(method) for child in ast.iter_child_nodes(node)}
+    for node in ast.walk(method):
+        if not isinstance(node, ast.Attribute):
             continue
-        if method.name == "__init__" or method.name.startswith("_init"):
-            continue  # construction: nothing FSDP2 gathers is read there
-        parents = {child: node for node in ast.walk(method) for child in ast.iter_child_nodes(node)}
-        for node in ast.walk(method):
-            if not isinstance(node, ast.Attribute):
-                continue
-            chain = _self_chain(node)
-            parent = parents.get(node)
-            if chain is None or isinstance(parent, ast.Attribute) or _inert(parent, node):
-                continue
-            if isinstance(node.ctx, ast.Store | ast.Del) and not isinstance(parent, ast.AugAssign):
-                continue  # assigned or deleted (`self.decoder.bias = ...`), not read
-            shown: ast.expr = parent if isinstance(parent, ast.Subscript) else node
-            found.append((method.name, chain, _role(parent, node), ast.unparse(shown)[5:]))
-    return tuple(found)
+        parent = parents.get(node)
+        if isinstance(parent, ast.Call) and parent.func is node:
+            if isinstance(node.value, ast.Name) and node.value.id == "self":
+                on_self.add(node.attr)
+            elif isinstance(node.value, ast.Call) and _is_super(node.value):
+                on_super.add(node.attr)
+        chain = _self_chain(node)
+        if chain is None or isinstance(parent, ast.Attribute) or _inert(parent, node):
+            continue
+        if isinstance(node.ctx, ast.Store | ast.Del) and not isinstance(parent, ast.AugAssign):
+            continue  # assigned or deleted (`self.decoder.bias = ...`), not read
+        shown: ast.expr = parent if isinstance(parent, ast.Subscript) else node
+        chains.append((method.name, chain, _role(parent, node), ast.unparse(shown)[5:]))
+    return _Method(tuple(chains), frozenset(on_self), frozenset(on_super))
+
+
+def _is_super(call: ast.Call) -> bool:
+    return isinstance(call.func, ast.Name) and call.func.id == "super"
+
+
+def _defining(kind: type, name: str, after: type | None = None) -> type | None:
+    """The model class whose own ``name`` ``kind().name`` runs (after ``after`` in the MRO, as
+    ``super().name`` from ``after`` does); ``None`` where no model class defines it."""
+    classes = list(model_classes(kind))
+    if after is not None:
+        classes = classes[classes.index(after) + 1 :] if after in classes else []
+    return next((cls for cls in classes if name in _methods(cls)), None)
+
+
+def _forward_methods(kind: type) -> list[tuple[type, str]]:
+    """The methods a forward of a ``kind`` module runs, as far as its source spells them:
+    ``forward`` and, transitively, what it calls on ``self`` and through ``super()``."""
+    start = _defining(kind, "forward")
+    todo = [(start, "forward")] if start is not None else []
+    seen: list[tuple[type, str]] = []
+    while todo:
+        cls, name = todo.pop()
+        if (cls, name) in seen:
+            continue
+        seen.append((cls, name))
+        method = _methods(cls)[name]
+        for called in method.on_self:
+            owner = _defining(kind, called)
+            todo += [(owner, called)] if owner is not None else []
+        for called in method.on_super:
+            owner = _defining(kind, called, after=cls)
+            todo += [(owner, called)] if owner is not None else []
+    return seen
 
 
 def _self_chain(node: ast.expr) -> tuple[str, ...] | None:
@@ -258,10 +313,8 @@ def uses_in(model: nn.Module, reader_fqn: str) -> list[SourceUse]:
     """What the source of the module at ``reader_fqn`` does with the modules below it."""
     reader = model.get_submodule(reader_fqn)
     found: list[SourceUse] = []
-    for cls in model_classes(type(reader)):
-        for method, chain, role, spelled in _chains(cls):
-            if inspect.getattr_static(type(reader), method, None) is not vars(cls).get(method):
-                continue  # overridden by a more derived class: not what runs
+    for cls, name in _forward_methods(type(reader)):
+        for method, chain, role, spelled in _methods(cls)[name].chains:
             resolved = _resolve(reader, reader_fqn, chain, role)
             if resolved is None:
                 continue
@@ -340,19 +393,25 @@ def _inside(fqn: str, modules: Collection[str]) -> bool:
     return any(_below(fqn, m) for m in modules)
 
 
-def unseen_uses(model: nn.Module) -> list[str]:
-    """What the rule cannot judge in ``model``'s source, one line per spelling and class (a
-    method other than ``forward`` called on a child with parameters, a child handed to a
-    function, a model class without source): see the module docstring."""
+def unseen_uses(model: nn.Module, units: Collection[str] | None = None) -> list[str]:
+    """What the rule cannot judge in the forward of ``model``'s modules, one line per spelling
+    and class: a method other than ``forward`` called on a child with parameters, a child handed
+    to a function (a ``ModuleList`` or ``ModuleDict`` aside: its entries are called), a model
+    class without source. With ``units`` (the modules of a layout's units), only the uses of
+    those modules: where a method runs sharded, or a module handed on is a unit of its own."""
     lines: dict[str, None] = {}
     for fqn, module in model.named_modules():
         for cls in model_classes(type(module)):
             if not source_of(cls):
                 lines.setdefault(f"{cls.__name__}: no source to read", None)
         for use in uses_in(model, fqn):
+            if units is not None and use.target not in units:
+                continue
             at = f"{use.where}: self.{use.spelled}"
             if use.kind == "method":
                 lines.setdefault(f"{at}(...), a method other than forward", None)
-            elif use.kind == "handed":
+            elif use.kind == "handed" and not isinstance(
+                model.get_submodule(use.target), nn.ModuleList | nn.ModuleDict
+            ):
                 lines.setdefault(f"{at} handed to a function", None)
     return list(lines)
