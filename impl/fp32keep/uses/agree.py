@@ -17,6 +17,7 @@ rank, naming the rank, before anything is sharded. Without either nothing is exc
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -58,9 +59,9 @@ def observe_example(
 ) -> tuple[ParameterUse | None, ObservationProblem | None]:
     """One forward of ``model`` on ``example_inputs`` (a mapping: keyword arguments; a tuple:
     positional ones), observed, under ``torch.no_grad()`` and with the random number generators
-    restored after: ``(observation, None)``; ``(None, None)`` on a rank whose model has tensors
-    on the meta device (it runs nothing); ``(None, problem)`` where the inputs are of the wrong
-    type or the forward raised."""
+    (torch's and Python's) restored after: ``(observation, None)``; ``(None, None)`` on a rank
+    whose model has tensors on the meta device (it runs nothing); ``(None, problem)`` where the
+    inputs are of the wrong type or the forward raised."""
     if not isinstance(example_inputs, Mapping | tuple):
         return None, (
             Fp32KeepTypeError,
@@ -70,6 +71,7 @@ def observe_example(
     if _on_meta(model):
         return None, None
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    python_state = random.getstate()  # the forward may draw (dropout masks, sampling)
     try:
         with (
             torch.random.fork_rng(devices=devices),
@@ -80,7 +82,9 @@ def observe_example(
                 model(**example_inputs)
             else:
                 model(*example_inputs)
+        random.setstate(python_state)
     except Exception as error:  # the caller's model code: any error is reported, on every rank
+        random.setstate(python_state)
         text = f"{type(error).__name__}: {error}".splitlines()[0][:300]
         return None, (
             Fp32KeepValueError,
