@@ -210,7 +210,7 @@ def _defining(kind: type, name: str, after: type | None = None) -> type | None:
     return next((cls for cls in classes if name in _methods(cls)), None)
 
 
-def _forward_methods(kind: type) -> list[tuple[type, str]]:
+def _forward_methods(kind: type) -> tuple[tuple[type, str], ...]:
     """The methods a forward of a ``kind`` module runs, as far as its source spells them:
     ``forward`` and, transitively, what it calls on ``self`` and through ``super()``."""
     start = _defining(kind, "forward")
@@ -228,7 +228,7 @@ def _forward_methods(kind: type) -> list[tuple[type, str]]:
         for called in method.on_super:
             owner = _defining(kind, called, after=cls)
             todo += [(owner, called)] if owner is not None else []
-    return seen
+    return tuple(seen)
 
 
 def _self_chain(node: ast.expr) -> tuple[str, ...] | None:
