@@ -129,3 +129,14 @@ def test_the_fallback_warning_names_what_it_cannot_see_and_the_fix() -> None:
         warn(cast(ReadStack()))
         warn(cast(CommentedStack()))
     assert unseen_uses(cast(CommentedStack())) == []
+
+
+def test_a_class_whose_methods_have_no_source_is_named() -> None:
+    # Made by type(): its forward has no source for the rule to read.
+    model = CommentedStack()
+    made = type("MadeHead", (nn.Linear,), {"forward": lambda self, x: x @ self.weight.T})
+    model.head = made(8, 16, bias=False)
+    assert "MadeHead: no source to read" in unseen_uses(model)
+    # Negative control: a class made with attributes only runs its bases' (readable) code.
+    model.head = type("Renamed", (nn.Linear,), {"extra": 1})(8, 16, bias=False)
+    assert unseen_uses(model) == []

@@ -103,9 +103,10 @@ class SourceUse:
 
     ``kind``: ``"read"`` (``target`` a tensor, or a parameter container whose every tensor is
     read), ``"call"`` (``target`` a module; ``bypass`` when spelled ``.forward(...)``, which skips
-    its hooks), ``"method"`` (``target`` a module, ``method`` what is called on it other than
-    ``forward``) or ``"handed"`` (``target`` a module passed to a call). ``module``: the module
-    ``target`` is or belongs to.
+    its hooks), ``"method"`` (``target`` a module, ``called`` the method other than ``forward``
+    called on it) or ``"handed"`` (``target`` a module passed to a call). ``module``: the module
+    ``target`` is or belongs to; ``method``: the reader's method (of class ``defined_in``) that
+    spells it.
     """
 
     kind: Literal["read", "call", "method", "handed"]
@@ -397,12 +398,14 @@ def unseen_uses(model: nn.Module, units: Collection[str] | None = None) -> list[
     """What the rule cannot judge in the forward of ``model``'s modules, one line per spelling
     and class: a method other than ``forward`` called on a child with parameters, a child handed
     to a function (a ``ModuleList`` or ``ModuleDict`` aside: its entries are called), a model
-    class without source. With ``units`` (the modules of a layout's units), only the uses of
+    class defining methods without source (one made by ``type()`` with attributes only reads
+    as its bases). With ``units`` (the modules of a layout's units), only the uses of
     those modules: where a method runs sharded, or a module handed on is a unit of its own."""
     lines: dict[str, None] = {}
     for fqn, module in model.named_modules():
         for cls in model_classes(type(module)):
-            if not source_of(cls):
+            defines = any(inspect.isfunction(value) for value in vars(cls).values())
+            if defines and not source_of(cls):  # methods the rule cannot read
                 lines.setdefault(f"{cls.__name__}: no source to read", None)
         for use in uses_in(model, fqn):
             if units is not None and use.target not in units:
