@@ -22,7 +22,7 @@ if cuda:
 device = "cuda" if cuda else "cpu"
 mesh = init_device_mesh(device, (dist.get_world_size(),))
 
-# Every rank builds the model on the meta device; rank 0 alone holds the checkpoint.
+# Rank 0 builds the model for real and holds the checkpoint; the other ranks build it on meta.
 config = T5Config(
     vocab_size=128,
     d_model=64,
@@ -32,18 +32,20 @@ config = T5Config(
     num_heads=4,
     decoder_start_token_id=0,
 )
-checkpoint = T5ForConditionalGeneration(config).state_dict() if rank == 0 else None
-with torch.device("meta"):
+with torch.device(device if rank == 0 else "meta"):
     model = T5ForConditionalGeneration(config)
+checkpoint = {k: v.clone() for k, v in model.state_dict().items()} if rank == 0 else None
+batch = {"input_ids": torch.randint(0, 128, (2, 8), device=device)}
+batch["labels"] = batch["input_ids"]
 
 plan = fp32keep.resolve_keep_plan(model, torch.float16)  # T5 keeps `wo` under fp16
 fp32keep.keep_aware_cast(model, torch.float16, plan=plan)  # instead of model.to(torch.float16)
 policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
-fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=policy, plan=plan)  # validates, then shards
+# validates, then shards, laid out from one forward on the batch (run by rank 0, the real one)
+fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=policy, plan=plan, example_inputs=batch)
 fp32keep.load_full_state_dict(model, checkpoint)  # destination dtype wins
 
-ids = torch.randint(0, 128, (2, 8), device=device)
-loss = model(input_ids=ids, labels=ids).loss
+loss = model(**batch).loss
 loss.backward()
 
 wo = model.encoder.block[0].layer[1].DenseReluDense.wo.weight

@@ -700,14 +700,24 @@ def test_token_grid_tower_gets_pixels_and_gradients() -> None:
 
 
 def _refusal_text(family: str) -> str | None:
-    """The layout refusal of ``family``'s tiny model under bf16 (``None``: it holds)."""
-    from fp32keep import KeepLayoutError, keep_aware_cast, plan_layout
+    """The layout refusal of ``family``'s tiny model under bf16 (``None``: it holds), laid out
+    from one observed forward on its own batch (what ``apply_fsdp2(example_inputs=...)`` does:
+    Bailing-Hybrid 5.25 hands ``conv1d`` to a function the source fallback does not follow)."""
+    from fp32keep import KeepLayoutError, keep_aware_cast, observe_parameter_use, plan_layout
+    from pytest_fp32keep.check.families.batches import family_batch
 
     model: Any = entries.build_family_model(family)
     plan = resolve_keep_plan(model, torch.bfloat16)
     keep_aware_cast(model, torch.bfloat16, plan=plan)
+    inputs = family_batch(model, 0)
+    with (
+        observe_parameter_use(model) as use,
+        torch.no_grad(),
+        torch.autocast("cpu", dtype=torch.bfloat16),
+    ):
+        model(**inputs)
     try:
-        layout = plan_layout(model, plan)
+        layout = plan_layout(model, plan, observed=use)
     except KeepLayoutError as error:
         return str(error)
     if family == "bailing_hybrid":  # its attention reads conv1d.weight, never calls conv1d
@@ -718,8 +728,8 @@ def _refusal_text(family: str) -> str | None:
 
 def test_linear_attention_families_hold_the_read_conv_and_refuse_truly_mixed_modules() -> None:
     """5.24: Bailing-Hybrid's kept ``conv1d`` (read by its attention, never called) goes with
-    its reader's unit (5.25 hands it to ``causal_conv1d_forward``, which reads its weight, and
-    which is an ``nn.Module`` passing its arguments on where ``kernels`` is installed:
+    its reader's unit, observed (5.25 hands it to ``causal_conv1d_forward``, which reads its
+    weight, also where ``kernels`` makes that an ``nn.Module``:
     ``tests/core/test_reads_handoff.py``); Kimi-Linear's forget gate owns a kept ``dt_bias``
     beside an ``A_log`` its keep list leaves out (bf16), and Glm5-Next's hyper-connections a
     kept ``base`` and ``scale`` beside ``fn``: modules of mixed dtype FSDP2 cannot shard,

@@ -1,8 +1,9 @@
 """Keep Hugging Face FP32-keep parameters in FP32 under PyTorch FSDP2.
 
 Data flows one way: declarations → :func:`resolve_keep_plan` (pure) → :func:`keep_aware_cast`
-→ :func:`apply_fsdp2` (validates the whole layout, then shards; laid out from what
-:func:`observe_parameter_use` saw when given) → :func:`load_full_state_dict`.
+→ :func:`apply_fsdp2` (validates the whole layout, then shards; laid out from one observed
+forward on ``example_inputs=``, or from what :func:`observe_parameter_use` saw)
+→ :func:`load_full_state_dict`.
 
 Every error the library raises derives from :class:`Fp32KeepError` (and from the built-in
 exception it has always been: ``ValueError``, ``TypeError``, ...). The lower-level names at the
@@ -23,6 +24,7 @@ from fp32keep.errors import (
     KeepLayoutError,
     KeepPlanError,
     LayoutProblem,
+    SourceFallbackWarning,
     StateDictError,
 )
 from fp32keep.gathered import methods_to_gather, register_gathered_methods
@@ -49,6 +51,7 @@ __all__ = [
     "LayoutProblem",
     "LoadResult",
     "ParameterUse",
+    "SourceFallbackWarning",
     "StateDictError",
     "Unit",
     "UnitMembers",

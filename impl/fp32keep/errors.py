@@ -49,6 +49,13 @@ class Fp32KeepRuntimeError(Fp32KeepError, RuntimeError):
     FSDP2 internals fp32keep's hooks cannot find."""
 
 
+class SourceFallbackWarning(UserWarning):
+    """:func:`fp32keep.apply_fsdp2` laid out its units from the model's source (neither
+    ``example_inputs=`` nor ``observed=`` given), which shows uses it cannot judge: a method
+    other than ``forward`` called on a child with parameters, a child handed to a function, a
+    class with no source. The message names each; pass ``example_inputs=`` to observe instead."""
+
+
 class Fp32KeepNotImplementedError(Fp32KeepError, NotImplementedError):
     """A supported-looking input fp32keep does not handle (tensor-parallel placements)."""
 

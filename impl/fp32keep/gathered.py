@@ -3,8 +3,9 @@ so that a nested call gathers once.
 
 Which methods (:func:`methods_to_gather`): from an observation where one was made
 (:meth:`fp32keep.observe.ParameterUse.coverage`: the methods that ran a unit's parameters while
-no module of the unit was called), else from the source (:func:`fp32keep.reads.called_methods`:
-the methods an ancestor calls and whose source reaches the unit's parameters). Both
+no module of the unit was called); without one, none: whether a method runs a unit's
+parameters only a run says (the source fallback warns where an ancestor calls one,
+:func:`fp32keep.uses.source.unseen_uses`). Both
 :func:`fp32keep.apply_fsdp2` and the contract's parity control (which re-shards the
 implementation's units) use this one function.
 
@@ -35,7 +36,6 @@ from torch.distributed.fsdp import FSDPModule
 from fp32keep import fsdp_hooks
 from fp32keep.errors import Fp32KeepTypeError, hidden_in_tracebacks
 from fp32keep.observe import ParameterUse, UnitMembers
-from fp32keep.reads import called_methods
 
 #: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
 __tracebackhide__ = hidden_in_tracebacks
@@ -45,11 +45,9 @@ def methods_to_gather(
     model: nn.Module, units: Iterable[UnitMembers], observed: ParameterUse | None
 ) -> dict[str, tuple[str, ...]]:
     """For each module of ``units``, the methods FSDP2 must gather its unit around (modules
-    with none are left out): observed where ``observed`` is given, else read from the source."""
-    if observed is not None:
-        return dict(observed.coverage(units).methods)
-    found = {fqn: called_methods(model, fqn) for unit in units for fqn in unit.modules}
-    return {fqn: methods for fqn, methods in found.items() if methods}
+    with none are left out), as ``observed`` saw them; none without an observation."""
+    del model  # the layout's model: what ran on it is in ``observed``
+    return {} if observed is None else dict(observed.coverage(units).methods)
 
 
 class _Depth:

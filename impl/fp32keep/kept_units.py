@@ -4,11 +4,12 @@ Kept units are chosen from the module tree and the plan: the topmost fully kept 
 forward, wrap targets nested inside them, owners of only kept parameters that have children
 that are not kept, and never a module an ancestor reads without calling it (observed,
 :meth:`fp32keep.observe.ParameterUse.direct_read`, or else read from the source,
-:func:`fp32keep.reads.find_direct_read`). Such a read module goes with its reader instead where
-the reader is its parent and owns no parameter that is not kept: the reader becomes an owner
-unit (its children that are not kept get units of their own first), so FSDP2 all-gathers the
-read tensors in FP32 in the reader's own forward hook, just before the reader's code reads them (the
-linear-attention ``conv1d`` whose ``weight`` Bailing-Hybrid's attention hands to a kernel).
+:func:`fp32keep.uses.source.find_direct_read`). Such a read module goes with its reader
+instead where the reader is its parent and owns no parameter that is not kept: the reader
+becomes an owner unit (its children that are not kept get units of their own first), so FSDP2
+all-gathers the read tensors in FP32 in the reader's own forward hook, just before the reader's
+code reads them (the linear-attention ``conv1d`` whose ``weight`` Bailing-Hybrid's attention
+hands to a kernel).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from torch import nn
 
 from fp32keep.errors import hidden_in_tracebacks
 from fp32keep.plan import KeepPlan
-from fp32keep.reads import DirectRead
 from fp32keep.tensors import dtype_name, is_castable_float, iter_owned, join
+from fp32keep.uses.source import DirectRead
 
 #: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
 __tracebackhide__ = hidden_in_tracebacks
@@ -65,7 +66,7 @@ class KeptSelection:
             that are not kept (attention ``sinks``, a gate's ``A_log``): kept units sharded after
             their children, which get units of their own with the caller's policy
             (``owner_children``). Frozen ones stay replicated, as before.
-        read_directly: kept modules an ancestor reads without calling (:mod:`fp32keep.reads`):
+        read_directly: kept modules an ancestor reads without calling (:mod:`fp32keep.uses`):
             never units, since FSDP2 would never all-gather them; those with trainable
             parameters whose reader can hold them are not here but in their reader's owner unit
             (see the module docstring).

@@ -38,10 +38,10 @@ from fp32keep.layout_problems import (
 )
 from fp32keep.observe import ParameterUse, UnitMembers
 from fp32keep.plan import KeepPlan
-from fp32keep.reads import DirectRead, find_direct_read
 from fp32keep.tensors import check_module, dtype_name, is_castable_float, iter_owned, join
 from fp32keep.tied_units import TieGroup, sharding_order, tie_groups
 from fp32keep.unit_reach import outside_uses
+from fp32keep.uses.source import DirectRead, find_direct_read
 from fp32keep.wrap_targets import WrapSpec as WrapSpec  # re-exported: its home before the split
 from fp32keep.wrap_targets import check_wrap, wrap_predicate
 
@@ -202,7 +202,7 @@ def plan_layout(
     replicated; trainable, it goes with its reader or is refused (``read-not-called``). Who
     reads what, and which methods other than ``forward`` run each unit
     (``Layout.forward_methods``), is taken from ``observed`` when given, else from the source
-    (:mod:`fp32keep.reads`); with ``observed``, a kept parameter used while no module of its
+    (:mod:`fp32keep.uses.source`); with ``observed``, a kept parameter used while no module of its
     unit runs is refused too (``read-not-called``), and so, observed or from the source, is any
     parameter of a unit fp32keep makes that code outside the unit uses
     (:mod:`fp32keep.unit_reach`).

@@ -14,8 +14,8 @@ from torch import nn
 
 from fp32keep.errors import LayoutProblem, hidden_in_tracebacks
 from fp32keep.observe import Stack, format_stack
-from fp32keep.reads import DirectRead
 from fp32keep.tensors import dtype_name
+from fp32keep.uses.source import DirectRead
 
 #: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
 __tracebackhide__ = hidden_in_tracebacks

@@ -5,7 +5,7 @@ the methods registered with ``register_fsdp_forward_method``, nowhere else. Whet
 code reads a kept module's weight without calling the module (Voxtral's encoder adds
 ``embed_positions.weight``), or runs a unit through another method (Apertus 1.5's
 ``self.audio_tokenizer.encode(...)``), is a fact about a run of that code, which the source only
-hints at (:mod:`fp32keep.reads` is the fallback for a caller with no inputs to run).
+hints at (:mod:`fp32keep.uses.source` is the fallback for a caller with no inputs to run).
 
 :func:`observe_parameter_use` records it during a forward of the *unsharded* model: every
 operator that takes a parameter (a ``TorchDispatchMode``, which sees through Python wrappers,
@@ -19,8 +19,8 @@ state dict, an optimizer step), are not the model's code running and are not rec
 A :class:`ParameterUse` answers, for any unit layout: which parameters are read while no module
 of their unit runs (:meth:`ParameterUse.direct_read`, :attr:`Coverage.uncovered`), and which
 methods other than a call run a unit's parameters, outermost only, so a method that ``forward``
-calls is not one (:attr:`Coverage.methods`). :func:`fp32keep.apply_fsdp2` takes one
-(``observed=``) instead of reading the source.
+calls is not one (:attr:`Coverage.methods`). :func:`fp32keep.apply_fsdp2` makes one on
+``example_inputs=``, or takes the caller's (``observed=``), instead of reading the source.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from torch import nn
 from fp32keep._torch.dispatch import TorchDispatchMode, backward_running
 from fp32keep._torch.modules import call_impl_code
 from fp32keep.errors import Fp32KeepValueError, hidden_in_tracebacks
-from fp32keep.reads import DirectRead
 from fp32keep.tensors import check_module
+from fp32keep.uses.source import DirectRead
 
 #: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
 __tracebackhide__ = hidden_in_tracebacks

@@ -13,9 +13,9 @@ module and unit, the reader and what it reads.
 
 What ran is best observed (:meth:`fp32keep.observe.ParameterUse.coverage`: a parameter used
 while no module of its unit ran); without an observation the source is read
-(:func:`fp32keep.reads.find_direct_read` for each module of the unit that owns parameters, kept
-where its reader lies outside the unit). The source cannot see a call from outside, nor a read
-of a module that some ancestor also calls (see :mod:`fp32keep.reads`); the observation can.
+(:func:`fp32keep.uses.source.uses_from_outside`: ``self.PATH.TENSOR`` and ``self.PATH(...)`` in
+the methods of the unit's ancestors outside it). The source cannot see a read or a call it does
+not spell through ``self`` (see :mod:`fp32keep.uses.source`); the observation can.
 
 The caller's own units (its wrap targets, the root with its policy) are left as they were: a
 read there fails the same under a plain ``fully_shard`` of the same units, and kept parameters
@@ -33,8 +33,8 @@ from fp32keep.errors import LayoutProblem
 from fp32keep.layout_problems import outside_use_problem, uncovered_problem
 from fp32keep.observe import CALL, ParameterUse, Stack, UnitMembers, format_stack
 from fp32keep.plan import KeepPlan
-from fp32keep.reads import DirectRead, uses_from_outside
 from fp32keep.tensors import dtype_name
+from fp32keep.uses.source import DirectRead, uses_from_outside
 
 if TYPE_CHECKING:  # pragma: no cover - typing only: layout imports this module
     from fp32keep.layout import Unit
@@ -124,7 +124,8 @@ def outside_uses(
 def _source_uses(
     model: nn.Module, modules: Sequence[str], params: Collection[str]
 ) -> list[tuple[str, DirectRead, bool]]:
-    """:func:`fp32keep.reads.uses_from_outside` for the unit of ``modules`` managing ``params``."""
+    """:func:`fp32keep.uses.source.uses_from_outside` for the unit of ``modules`` managing
+    ``params``."""
     owned: dict[str, set[str]] = {}
     for name in params:
         module_fqn, _, attribute = name.rpartition(".")

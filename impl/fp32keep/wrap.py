@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -14,14 +15,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from fp32keep.constructed import plan_divergence
 from fp32keep.devices import collective_device
 from fp32keep.errors import (
-    Fp32KeepError,
     Fp32KeepRuntimeError,
     Fp32KeepTypeError,
     Fp32KeepValueError,
     KeepLayoutError,
+    SourceFallbackWarning,
     hidden_in_tracebacks,
 )
 from fp32keep.gathered import register_gathered_methods
@@ -31,6 +31,9 @@ from fp32keep.observe import ParameterUse
 from fp32keep.plan import KeepPlan, resolve_keep_plan
 from fp32keep.plan_use import check_plan_fits, check_plan_for_policy, storage_dtype
 from fp32keep.tensors import check_float_dtype, check_module, dtype_name, is_castable_float
+from fp32keep.uses.agree import agreed_observation as agreed_observation  # its home before
+from fp32keep.uses.agree import observation_refusal as observation_refusal  # the uses/ split
+from fp32keep.uses.source import unseen_uses
 from fp32keep.wrap_targets import WrapSpec, check_wrap
 
 #: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
@@ -132,6 +135,7 @@ def apply_fsdp2(
     group_kept: KeptGrouping = False,
     observed: ParameterUse | None = None,
     keep_by: KeepBy = "auto",
+    example_inputs: Mapping[str, Any] | tuple[Any, ...] | None = None,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 so that the plan's parameters stay FP32, or refuse.
 
@@ -159,9 +163,12 @@ def apply_fsdp2(
     reader is its parent and owns only kept parameters, else it is refused
     (``read-not-called``). The methods other than ``forward`` that run a unit's parameters
     (``tokenizer.encode(...)``) are registered (:mod:`fp32keep.gathered`), so FSDP2 gathers the
-    unit around them too, outermost call only. Both are taken from ``observed`` when given
-    (what a forward of the unsharded model did, :func:`fp32keep.observe_parameter_use`), else
-    from the source of the ancestors' classes and their bases (:mod:`fp32keep.reads`).
+    unit around them too, outermost call only. Both are observed: apply_fsdp2 runs one forward
+    of the unsharded model on ``example_inputs`` (or takes the caller's ``observed``). Without
+    either, reads are taken from the source of the ancestors' classes (one syntax-tree rule,
+    :mod:`fp32keep.uses.source`), no method is registered, and a
+    :class:`fp32keep.SourceFallbackWarning` names what the source shows but the rule cannot
+    judge (``self.codec.encode(...)``, a child handed to a function).
 
     Args:
         model: the unsharded model, cast keep-aware (:func:`fp32keep.keep_aware_cast`).
@@ -181,7 +188,7 @@ def apply_fsdp2(
             (:func:`fp32keep.observe_parameter_use`), made on every rank of ``mesh``. The ranks'
             observations are merged (every use any rank saw) in one collective over the mesh,
             so every rank lays out the same units: pass one on every rank or on none (``None``:
-            read the source; no collective).
+            read the source; no collective). Not together with ``example_inputs``.
         keep_by: how the kept parameters stay FP32. ``"auto"`` (default): by the policy where it
             can keep them, else in kept units. By the policy (torch 2.15's
             ``param_dtype_override_fn``, :func:`fp32keep.keep_policy`): the caller's own units
@@ -193,6 +200,15 @@ def apply_fsdp2(
             units as above. ``"policy"``: the policy or an error naming what stands in the way
             (the torch version, the storage, the reduce dtype). :func:`sharded_layout` gives
             the layout used, whose ``describe()`` says which and why.
+        example_inputs: inputs of one forward, as in training: a mapping of keyword arguments
+            (``{"input_ids": ids}``, ``model(**inputs)``) or a tuple of positional ones
+            (``(ids,)``, ``model(*inputs)``), on the model's device. Every rank whose model
+            holds real tensors runs that forward unsharded, observed
+            (:func:`fp32keep.observe_parameter_use`; under ``no_grad``, random state restored),
+            and the observations are merged over the mesh as for ``observed``; a rank whose
+            model is on the meta device runs nothing and takes the others' (rank 0 real, the
+            rest on meta: rank 0 observes). Pass them on every rank or on none: on a meta rank
+            they are not run. A forward that raises on any rank raises on every rank, naming it.
 
     Raises:
         KeepLayoutError: the layout cannot keep the plan (nothing sharded).
@@ -204,10 +220,12 @@ def apply_fsdp2(
             Nothing sharded.
         Fp32KeepValueError: ``keep_by`` is not one of ``"auto"``, ``"units"``, ``"policy"``,
             or is ``"policy"`` where the policy cannot keep the plan (nothing sharded).
-        ValueError: ``observed`` is of another model, or is still recording, or (given
-            ``observed``) the ranks' keep plans differ (on any rank: raised on every rank of the
-            mesh, before anything is sharded).
-        TypeError: ``observed`` is not a :class:`fp32keep.ParameterUse` (likewise).
+        ValueError: ``observed`` is of another model, or is still recording; the example
+            forward raised, or every rank's model is on meta; both ``observed`` and
+            ``example_inputs`` given; or (given either) the ranks' keep plans differ (on any
+            rank: raised on every rank of the mesh, before anything is sharded).
+        TypeError: ``observed`` is not a :class:`fp32keep.ParameterUse`, ``example_inputs``
+            neither a mapping nor a tuple (likewise).
 
     Returns:
         ``model``, now an ``FSDPModule``.
@@ -229,7 +247,7 @@ def apply_fsdp2(
     keeps, why = choose_keeping(
         model, plan, mp_policy, keep_by=keep_by, grouped=group_kept is not False
     )
-    observed = agreed_observation(model, observed, mesh, plan)
+    observed = agreed_observation(model, observed, mesh, plan, example_inputs=example_inputs)
     layout = None
     if keeps == "policy":
         layout = _policy_layout(model, plan, wrap, observed, refuse=keep_by == "policy")
@@ -248,9 +266,28 @@ def apply_fsdp2(
             observed=observed,
         )
         layout = dataclasses.replace(layout, why=why)
+    if observed is None:
+        _warn_unseen(model, layout)
     _shard(model, layout, mesh, policy, reshard_after_forward, offload_policy)
     _SHARDED[model] = layout
     return model
+
+
+def _warn_unseen(model: nn.Module, layout: Layout) -> None:
+    """The :class:`fp32keep.SourceFallbackWarning` for what the source fallback cannot judge
+    about the modules of ``layout``'s units."""
+    unseen = unseen_uses(model, {fqn for unit in layout.units for fqn in unit.module_fqns})
+    if unseen:
+        shown = "; ".join(unseen[:5]) + (f"; and {len(unseen) - 5} more" if len(unseen) > 5 else "")
+        warnings.warn(
+            f"apply_fsdp2: {type(model).__name__} laid out from its source (no example_inputs=, "
+            f"no observed=), which cannot see whether these run a unit's parameters: {shown}. "
+            "A method that does runs sharded (not gathered), a module handed on is taken as "
+            "called. Pass example_inputs=(a batch of your training) so that apply_fsdp2 "
+            "observes one forward instead",
+            SourceFallbackWarning,
+            stacklevel=3,
+        )
 
 
 _SHARDED: weakref.WeakKeyDictionary[nn.Module, Layout] = weakref.WeakKeyDictionary()
@@ -332,77 +369,6 @@ def _shard(
     register_gathered_methods(model, [u.module_fqns for u in layout.units], layout.forward_methods)
     if layout.replicated:
         _to_mesh_device(common["ignored_params"], mesh)
-
-
-def agreed_observation(
-    model: nn.Module, observed: object, mesh: DeviceMesh, plan: KeepPlan | None = None
-) -> ParameterUse | None:
-    """``observed`` merged over every rank of ``mesh``, or an error on every rank when any
-    rank's is unusable or, given ``plan``, when the ranks' plans differ
-    (:func:`fp32keep.plan_divergence`); ``None`` (no collective) without one. Every
-    rank then plans the same layout.
-
-    One small collective per mesh dimension (each rank's digest, what is wrong with its
-    observation, if anything, and its plan's digest and unobserved notes; the whole observations
-    only where the digests differ). Without an observation nothing is exchanged, so
-    ``apply_fsdp2`` stays as free of collectives as ``fully_shard``: a rank that raised before
-    it leaves its peers no collective to wait in.
-    """
-    if observed is None:
-        return None
-    mine = observed if isinstance(observed, ParameterUse) else None
-    problem = _observation_problem(model, observed)
-    for dim in range(mesh.ndim):
-        group = mesh.get_group(dim)
-        ranks = dist.get_process_group_ranks(group)
-        accounts: list[Any] = [None] * len(ranks)
-        digest = mine.digest() if mine is not None and problem is None else None
-        keeps = (plan.digest(), plan.unobserved) if plan is not None else ("", ())
-        dist.all_gather_object(accounts, (digest, problem, keeps), group=group)
-        refusals = [(rank, bad) for rank, (_, bad, _) in zip(ranks, accounts, strict=True) if bad]
-        if refusals:
-            raise observation_refusal(refusals)
-        plans = [(rank, *keeps) for rank, (_, _, keeps) in zip(ranks, accounts, strict=True)]
-        divergence = plan_divergence("apply_fsdp2", plans)
-        if divergence is not None:  # raised on every rank, before anything is sharded
-            raise Fp32KeepValueError(divergence)
-        assert mine is not None  # no rank refused, this one included
-        if len({digest for digest, _, _ in accounts}) > 1:
-            everyone: list[Any] = [None] * len(ranks)
-            dist.all_gather_object(everyone, mine, group=group)
-            mine = mine.merged(everyone)
-    return mine
-
-
-#: What is wrong with one rank's observation: the error kind (data, sent between ranks, never
-#: read back out of the text) and the text.
-ObservationProblem = tuple[type[Fp32KeepError], str]
-
-
-def _observation_problem(model: nn.Module, observed: object) -> ObservationProblem | None:
-    if not isinstance(observed, ParameterUse):
-        kind: type[Fp32KeepError] = Fp32KeepTypeError
-        return kind, f"observed must be a fp32keep.ParameterUse, got {type(observed).__name__}"
-    if not observed.complete:
-        return (
-            Fp32KeepValueError,
-            "observed is still recording: pass it after its `with` block ended",
-        )
-    misfit = observed.misfit(model)
-    return None if misfit is None else (Fp32KeepValueError, misfit)
-
-
-def observation_refusal(refusals: Sequence[tuple[int, ObservationProblem]]) -> Fp32KeepError:
-    """The one error every rank raises for the ranks' unusable observations: a
-    :class:`fp32keep.errors.Fp32KeepTypeError` when any rank's is of the wrong type, else a
-    :class:`fp32keep.errors.Fp32KeepValueError`, naming each rank and what is wrong with its
-    observation. The kind comes from the problems' kinds, not from their wording."""
-    wrong_type = any(issubclass(kind, TypeError) for _, (kind, _) in refusals)
-    error = Fp32KeepTypeError if wrong_type else Fp32KeepValueError
-    return error(
-        "apply_fsdp2(observed=...): "
-        + "; ".join(f"rank {rank}: {text}" for rank, (_, text) in refusals)
-    )
 
 
 def _to_mesh_device(params: set[nn.Parameter], mesh: DeviceMesh) -> None:

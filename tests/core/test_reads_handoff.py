@@ -1,24 +1,26 @@
-"""A kept module handed to a module-level function that reads its tensors (the source fallback).
+"""A kept module handed to a module-level function that reads its tensors: observed, not guessed.
 
 Transformers 5.25's Bailing-Hybrid no longer spells ``self.conv1d.weight`` in its attention:
 it hands the module to ``causal_conv1d_forward(self.conv1d, ...)``, which reads
-``conv1d.weight`` and never calls ``conv1d``. Without ``observed=``, :func:`fp32keep.apply_fsdp2`
-judges that from the source (:func:`fp32keep.reads.find_direct_read`); had it taken the module
-as called, ``conv1d`` would be a unit of its own that FSDP2 never gathers, and the first forward
-fails with ``aten.convolution.default: got mixed torch.Tensor and DTensor`` (seen with 5.25 on 2
-gloo ranks). The toys below are that shape, and each negative control one way the same hand-off
-is not a read: the function calls the module, reads only metadata, or receives it in ``*args``.
+``conv1d.weight`` and never calls ``conv1d``. Taken as called, ``conv1d`` would be a unit of its
+own that FSDP2 never gathers, and the first forward fails with ``aten.convolution.default: got
+mixed torch.Tensor and DTensor`` (seen with 5.25 on 2 gloo ranks). An observed forward
+(``apply_fsdp2(example_inputs=...)``) sees the read wherever the function lives (a plain
+function, ``kernels``' module around it, ``*args``); the source fallback does not follow
+functions, and names the hand-off for its warning instead. Each negative control is one way the
+same hand-off is not a read: the function calls the module, or reads only metadata.
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import pytest
 import torch
 from torch import nn
 
-from fp32keep import keep_aware_cast, plan_layout, resolve_keep_plan
-from fp32keep.reads import find_direct_read
+from fp32keep import keep_aware_cast, observe_parameter_use, plan_layout, resolve_keep_plan
+from fp32keep.uses.source import find_direct_read, unseen_uses
 from tests.core.toys import RMSNorm
 
 BF16 = torch.bfloat16
@@ -173,57 +175,57 @@ def stack(attention: type[nn.Module]) -> nn.Module:
     return Stack()
 
 
-def test_module_handed_to_a_reading_function_is_read_not_called() -> None:
-    for attention in (HandingAttention, KeywordAttention):
-        read = find_direct_read(stack(attention), "layers.0.self_attn.conv")
-        assert read is not None, attention.__name__
-        assert (read.reader, read.reader_fqn, read.expression) == (
-            attention.__name__,
-            "layers.0.self_attn",
-            "conv.weight",
-        )
-        assert read.evidence == "read in depthwise_forward(), which it is handed to"
+IDS = torch.arange(6).reshape(1, 6)
+CONV = "layers.0.self_attn.conv"
 
 
-def test_a_function_turned_into_a_module_is_read_through() -> None:
-    """Where ``kernels`` is installed, Bailing-Hybrid 5.25's ``causal_conv1d_forward`` is an
-    ``nn.Module`` passing its arguments to the function: the scan reads the function (CI saw
-    the conv taken as called there, while the same release without ``kernels`` passed)."""
-    model = stack(KernelModuleAttention)
-    read = find_direct_read(model, "layers.0.self_attn.conv")
+def observed(model: nn.Module) -> Any:
+    with observe_parameter_use(model) as use:
+        model(IDS)
+    return use
+
+
+@pytest.mark.parametrize(
+    "attention", [HandingAttention, KeywordAttention, KernelModuleAttention, StarAttention]
+)
+def test_a_module_handed_to_a_reading_function_is_observed_as_read(attention: type) -> None:
+    model = stack(attention)
+    read = observed(model).direct_read(model, CONV)
     assert read is not None
-    assert read.evidence == "read in depthwise_forward(), which it is handed to"
-    plan = resolve_keep_plan(model, BF16, transformers_version=SEMANTICS)
-    keep_aware_cast(model, BF16, plan=plan)
-    assert plan_layout(model, plan).owner["layers.0.self_attn.conv.weight"] == "layers.0.self_attn"
-    # Negative controls: the wrapped function calls the module (a unit of its own, gathered by
-    # its hooks); a wrapper that does not hand its arguments on unchanged is not followed.
-    for attention in (KernelCallingAttention, ReorderingAttention):
-        other = stack(attention)
-        assert find_direct_read(other, "layers.0.self_attn.conv") is None, attention.__name__
-        other(torch.arange(6).reshape(1, 6))
+    assert (read.reader, read.reader_fqn, read.expression, read.evidence) == (
+        attention.__name__,
+        "layers.0.self_attn",
+        "conv.weight",
+        f"observed in {attention.__name__}.forward",
+    )
+    # The source fallback does not follow the function: no read, the hand-off named instead.
+    assert find_direct_read(model, CONV) is None
+    assert f"{attention.__name__}.forward(): self.conv handed to a function" in unseen_uses(model)
 
 
-def test_the_read_module_goes_with_its_reader_and_the_model_runs() -> None:
+def test_the_observed_read_goes_with_its_reader_and_the_model_runs() -> None:
     model = stack(HandingAttention)
     plan = resolve_keep_plan(model, BF16, transformers_version=SEMANTICS)
     keep_aware_cast(model, BF16, plan=plan)
-    layout = plan_layout(model, plan)
-    assert layout.owner["layers.0.self_attn.conv.weight"] == "layers.0.self_attn"
-    assert all("layers.0.self_attn.conv" not in unit.module_fqns for unit in layout.units)
-    assert model(torch.arange(6).reshape(1, 6)).shape == (1, 6, 16)
+    layout = plan_layout(model, plan, observed=observed(model))
+    assert layout.owner[f"{CONV}.weight"] == "layers.0.self_attn"
+    assert all(CONV not in unit.module_fqns for unit in layout.units)
+    assert model(IDS).shape == (1, 6, 16)
+    # Negative control: from the source the conv is taken as called, a unit of its own (what
+    # fails sharded; tests/multirank/test_observed_families_fsdp2.py shows it on Bailing-Hybrid).
+    assert plan_layout(model, plan).owner[f"{CONV}.weight"] == CONV
 
 
-def test_a_hand_off_that_calls_or_reads_metadata_or_goes_to_star_args_is_no_read() -> None:
-    # Negative controls: each the hand-off of the test above, with nothing for the scan to
-    # follow to a read (or a read only at construction); the module stays a unit of its own
-    # (called, or not known to be read).
-    for attention in (CallingAttention, MetadataAttention, StarAttention, InitAttention):
-        model = stack(attention)
-        assert find_direct_read(model, "layers.0.self_attn.conv") is None, attention.__name__
-        model(torch.arange(6).reshape(1, 6))  # each runs unsharded
-    plan_model = stack(CallingAttention)
-    plan = resolve_keep_plan(plan_model, BF16, transformers_version=SEMANTICS)
-    keep_aware_cast(plan_model, BF16, plan=plan)
-    layout = plan_layout(plan_model, plan)
-    assert layout.owner["layers.0.self_attn.conv.weight"] == "layers.0.self_attn.conv"
+@pytest.mark.parametrize(
+    "attention", [CallingAttention, KernelCallingAttention, MetadataAttention, InitAttention]
+)
+def test_a_hand_off_that_calls_or_reads_metadata_is_no_read(attention: type) -> None:
+    # Negative controls: the function calls the module (its hooks would gather it), reads only
+    # its metadata, or the module is handed on at construction only.
+    model = stack(attention)
+    assert observed(model).direct_read(model, CONV) is None, attention.__name__
+    plan = resolve_keep_plan(model, BF16, transformers_version=SEMANTICS)
+    keep_aware_cast(model, BF16, plan=plan)
+    assert plan_layout(model, plan, observed=observed(model)).owner[f"{CONV}.weight"] == CONV
+    if attention is InitAttention:  # `init_conv(self.conv)` in __init__: nothing to name
+        assert unseen_uses(model) == []

@@ -23,7 +23,7 @@ from fp32keep import KeepLayoutError, keep_aware_cast, observe_parameter_use, re
 from fp32keep.layout import plan_layout
 from fp32keep.load.move import Target
 from fp32keep.load.validate import entry_problem
-from fp32keep.reads import find_direct_read
+from fp32keep.uses.source import find_direct_read
 from fp32keep.wrap import infer_low_precision_dtype
 from tests.core.kept_toys import ReadStack
 from tests.core.toys import Stack, stack_class

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 import fp32keep
-from fp32keep import KeepLayoutError, ParameterUse, plan_layout, reads
+from fp32keep import KeepLayoutError, ParameterUse, plan_layout
 from fp32keep.layout import Layout
+from fp32keep.uses import source
 from tests.core.read_toys import (
     CalledHeadReadingRoot,
     ChildCallingRoot,
@@ -188,7 +189,7 @@ class _Assigning(nn.Module):
 
 
 def test_an_assignment_or_deletion_is_not_a_read() -> None:
-    chains = {chain for _, chain, _ in reads._chain_uses(_Assigning)}
+    chains = {chain for _, chain, _, _ in source._methods(_Assigning)["forward"].chains}
     assert ("decoder", "bias") not in chains
     assert ("cache", "weight") not in chains
     assert {("bias",), ("scale", "weight")} <= chains, chains

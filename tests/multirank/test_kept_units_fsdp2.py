@@ -373,8 +373,13 @@ def test_openai_privacy_filter_sinks_are_an_owner_unit(mesh: DeviceMesh) -> None
 
 def test_kept_unit_called_through_a_method_is_gathered_around_it(mesh: DeviceMesh) -> None:
     # Apertus 1.5's tokenizers: the parent calls `tokenizer.encode(...)`, never the module.
+    # Only a run shows that encode runs the tokenizer's parameters: apply_fsdp2 observes one
+    # forward on the example inputs (from the source alone it gathers no method and warns).
     model, reference, plan = built(EncodeStack)
-    fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=EXACT_POLICY, plan=plan)
+    fp32keep.apply_fsdp2(
+        model, mesh=mesh, mp_policy=EXACT_POLICY, plan=plan, example_inputs=(batch(),)
+    )
+    assert "encode" in vars(model.tokenizer)
     assert isinstance(model.tokenizer.scale, DTensor)  # sharded at rest
     assert torch.equal(step(model), step(reference))
     assert_same_grads(model, reference)

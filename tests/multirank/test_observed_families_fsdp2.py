@@ -5,7 +5,8 @@ For each family the facts are written down from its modeling source, not taken f
 under test: Voxtral's encoder adds ``embed_positions.weight`` and never calls the module;
 Apertus 1.5 runs its audio tokenizer through ``self.audio_tokenizer.encode(...)`` (its vision
 tokenizer has no forward of its own: its children are the units, and ``encode`` calls each);
-Kyutai's speech-to-text forward never runs its codec (``generate`` does). Each test checks that
+Kyutai's speech-to-text forward never runs its codec (``generate`` does); Bailing-Hybrid 5.25
+hands its kept ``conv1d`` to ``causal_conv1d_forward``. Each test checks that
 the observation of the family's own batch says that and nothing more, that the contract, laid
 out from it, passes, and (the negative control) that the same observation without the
 family's fact makes the sharded forward fail. Families only one Transformers line has skip with the
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import warnings
 from typing import Any
 
 import pytest
@@ -26,8 +28,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import fp32keep
-from fp32keep.reads import called_methods
-from fp32keep.source_use import method_uses_parameters
 from pytest_fp32keep import assert_fp32_keep_contract
 from pytest_fp32keep.check.families import entries
 from pytest_fp32keep.check.families.batches import family_batch
@@ -130,17 +130,75 @@ def test_kyutai_codec_is_not_gathered_around_its_pure_helper(mesh: DeviceMesh) -
     assert not any(name.startswith("codec_model.") for name in use.used)  # generate's, not ours
     assert layout.forward_methods == {} and layout.replicated == ()
     assert contract("kyutai_speech_to_text", mesh).ok  # type: ignore[attr-defined]
-    # Without an observation, the source: generate's encode runs the codec, its length helper
-    # does not (Mimi's convolution strides), so only encode becomes a collective.
-    codec = model.codec_model
-    assert called_methods(model, "codec_model") == ("encode",)
-    assert method_uses_parameters(codec, "encode")  # negative control of the judgement
-    assert not method_uses_parameters(codec, "get_encoded_length")
+    # Without inputs, the source fallback reads forward (and what it calls): generate's
+    # `self.codec_model.encode(...)` is no part of it, so nothing is gathered and nothing warned
+    # about (the regex scan it replaced made encode a collective on this path only).
     sharded = build("kyutai_speech_to_text")
     fp32keep.keep_aware_cast(sharded, BF16)
-    fp32keep.apply_fsdp2(sharded, mesh=mesh, mp_policy=POLICY)
-    assert "encode" in vars(sharded.codec_model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fp32keep.SourceFallbackWarning)
+        fp32keep.apply_fsdp2(sharded, mesh=mesh, mp_policy=POLICY)
+    assert "encode" not in vars(sharded.codec_model)
     assert "get_encoded_length" not in vars(sharded.codec_model)
     if dist.get_rank() == 0:  # a gathered helper would wait here for rank 1 forever
         length = sharded.codec_model.get_encoded_length(torch.tensor(4800))
-        assert int(length) == int(codec.get_encoded_length(torch.tensor(4800)))
+        assert int(length) == int(model.codec_model.get_encoded_length(torch.tensor(4800)))
+
+
+@requires("voxtral")
+def test_voxtral_example_inputs_lay_out_the_read_and_run(mesh: DeviceMesh) -> None:
+    # apply_fsdp2 observes the forward itself on the family's own batch.
+    model = build("voxtral")
+    fp32keep.keep_aware_cast(model, BF16)
+    inputs = batch(model)
+    with torch.autocast("cpu", dtype=BF16):
+        fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=POLICY, example_inputs=inputs)
+    layout = fp32keep.sharded_layout(model)
+    assert layout is not None and len(layout.replicated) == 1
+    assert layout.replicated[0].endswith("audio_tower.embed_positions.weight")
+    with torch.autocast("cpu", dtype=BF16):
+        loss = model(**inputs).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+
+
+def _hands_conv1d_off() -> bool:
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__) >= Version("5.25")
+
+
+def _installed() -> str:
+    import transformers
+
+    return str(transformers.__version__)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformers.models.bailing_hybrid") is None
+    or not _hands_conv1d_off(),
+    reason=f"transformers {_installed()} (installed): Bailing-Hybrid hands conv1d to "
+    "causal_conv1d_forward from 5.25 on",
+)
+def test_bailing_hybrid_hand_off_runs_from_example_inputs(mesh: DeviceMesh) -> None:
+    model = build("bailing_hybrid")
+    fp32keep.keep_aware_cast(model, BF16)
+    inputs = batch(model)
+    fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=POLICY, example_inputs=inputs)
+    layout = fp32keep.sharded_layout(model)
+    assert layout is not None
+    assert layout.owner["model.layers.0.self_attn.conv1d.weight"] == "model.layers.0.self_attn"
+    with torch.autocast("cpu", dtype=BF16):
+        model(**inputs)
+    # Negative control: from the source the conv is its own unit, never gathered; warned.
+    fallback = build("bailing_hybrid")
+    fp32keep.keep_aware_cast(fallback, BF16)
+    with pytest.warns(fp32keep.SourceFallbackWarning, match=r"self\.conv1d handed to a function"):
+        fp32keep.apply_fsdp2(fallback, mesh=mesh, mp_policy=POLICY)
+    with (
+        pytest.raises(Exception, match=r"mixed torch\.Tensor and DTensor"),
+        torch.autocast("cpu", dtype=BF16),
+    ):
+        fallback(**inputs)

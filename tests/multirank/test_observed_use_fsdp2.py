@@ -2,9 +2,10 @@
 gathered methods that nest, stay local when pure, and agree across ranks.
 
 Each test body runs in the plugin's torchrun ranks (gloo on CPU, 2 ranks by default) on the toys
-of tests/core/observed_toys.py, sharded by ``fp32keep.apply_fsdp2`` from the source
-(``observed=None``) and from an observed forward. Each has its negative control: the layout or
-registration the library made before, sharded by hand, fails the same way.
+of tests/core/observed_toys.py, sharded by ``fp32keep.apply_fsdp2`` from the source (no
+inputs; reads only), from an observed forward and from ``example_inputs``. Each has its
+negative control: the layout or registration the library made before, sharded by hand, fails
+the same way.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ pytestmark = pytest.mark.fsdp2
 BF16, FP32 = torch.bfloat16, torch.float32
 SEMANTICS = "5.10.4"
 POLICY = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32, cast_forward_inputs=False)
-HOW = pytest.mark.parametrize("how", ["source", "observed"])
+HOW = pytest.mark.parametrize("how", ["source", "observed", "example"])
+#: Which methods run a unit's parameters only a run shows: the source fallback gathers none.
+RUN = pytest.mark.parametrize("how", ["observed", "example"])
 
 refused_on_every_rank = functools.partial(shared_refused_on_every_rank, bound=LIBRARY_BOUND_S)
 
@@ -73,11 +76,14 @@ def observed_on_rank_zero(model: nn.Module) -> fp32keep.ParameterUse:
 
 
 def sharded(cls: type[nn.Module], how: str, mesh: DeviceMesh) -> tuple[nn.Module, nn.Module]:
-    """``cls`` sharded by apply_fsdp2 from the source or from an observed forward, and its
-    unsharded reference."""
+    """``cls`` sharded by apply_fsdp2 from the source, from an observed forward, or from
+    ``example_inputs`` (apply_fsdp2 observes), and its unsharded reference."""
     model, reference, plan = built(cls)
     use = observed(model) if how == "observed" else None
-    fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=POLICY, plan=plan, observed=use)
+    example = (ids(),) if how == "example" else None
+    fp32keep.apply_fsdp2(
+        model, mesh=mesh, mp_policy=POLICY, plan=plan, observed=use, example_inputs=example
+    )
     return model, reference
 
 
@@ -139,7 +145,7 @@ def test_negative_control_the_inherited_read_as_its_own_unit_crashes(mesh: Devic
 # --- item 2a: nested gathered calls gather once ----------------------------------------------
 
 
-@HOW
+@RUN
 def test_nested_gathered_calls_gather_once_and_match_the_unsharded_model(
     how: str, mesh: DeviceMesh, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -168,7 +174,7 @@ def test_negative_control_torchs_registration_reshards_mid_call(mesh: DeviceMesh
 # --- item 2b/2c: only methods that use parameters are collectives ------------------------------
 
 
-@HOW
+@RUN
 def test_a_pure_helper_is_not_gathered_and_runs_on_one_rank_alone(
     how: str, mesh: DeviceMesh
 ) -> None:
@@ -181,13 +187,24 @@ def test_a_pure_helper_is_not_gathered_and_runs_on_one_rank_alone(
         assert model.codec.get_encoded_length(9) == 4
 
 
+def test_from_the_source_no_method_is_gathered_and_the_warning_says_why(mesh: DeviceMesh) -> None:
+    # Without inputs the source cannot tell encode (runs the conv) from the pure helper: neither
+    # is gathered, the warning names both and the fix, and encode then meets sharded weights.
+    model, _, plan = built(HelperStack)
+    with pytest.warns(fp32keep.SourceFallbackWarning, match=r"self\.codec\.encode\(\.\.\.\)"):
+        fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=POLICY, plan=plan)
+    assert "encode" not in vars(model.codec)
+    with pytest.raises(Exception, match=r"DTensor"):
+        step(model)
+
+
 def test_negative_control_a_gathered_helper_is_a_collective(
     mesh: DeviceMesh, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Registered (as the old scan did), the same helper all-gathers the codec on every call,
     # so a call on one rank alone would wait for the other.
     model, _, plan = built(HelperStack)
-    fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=POLICY, plan=plan)
+    fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=POLICY, plan=plan, observed=observed(model))
     register_gathered_methods(model, [("codec",)], {"codec": ("get_encoded_length",)})
     gathers = gathers_of(model.codec, monkeypatch)
     assert model.codec.get_encoded_length(9) == 4

@@ -1,7 +1,8 @@
 """A gathered method is a collective: called on one rank alone, it never hangs silently.
 
-``fp32keep.apply_fsdp2`` registers the methods other than ``forward`` that run a unit's
-parameters (a tokenizer's ``encode``) so that FSDP2 all-gathers the unit around them; like
+``fp32keep.apply_fsdp2`` registers the methods other than ``forward`` that a forward on its
+``example_inputs`` is observed to run a unit's parameters through (a tokenizer's ``encode``) so
+that FSDP2 all-gathers the unit around them; like
 ``forward``, such a method must then run on every rank. A real inner session calls one on rank 0
 alone: the runner reports the rank stuck in the all-gather within seconds (docs/errors.md), with
 its stack, and the next test passes on fresh ranks. Negative control: the pure helper beside it
@@ -60,7 +61,8 @@ def sharded(mesh):
     model = Model()
     fp32keep.keep_aware_cast(model, torch.bfloat16)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=policy)
+    example = (torch.ones(2, 4, dtype=torch.bfloat16),)  # observed: encode runs the proj
+    fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=policy, example_inputs=example)
     return model
 
 
