@@ -14,7 +14,7 @@ command puts that directory first on its ranks' ``PYTHONPATH``, so the ranks imp
 tree (the venv's editable install only answers imports that ``PYTHONPATH`` does not). Before
 timing anything, a probe in each arm's exact environment prints where ``fp32keep`` and
 ``pytest_fp32keep.check.ranks`` come from and fails unless both are the arm's own tree and the
-old arm lacks ``fp32keep.observe`` (added by issue 22) while this tree has it; the probe also
+old arm lacks ``fp32keep.uses.observe`` (added by issue 22) while this tree has it; the probe also
 writes both trees' bytecode, so neither timed arm compiles it.
 
 Rounds alternate the order (new then old, old then new, ...); each run is timed from spawn to exit
@@ -75,12 +75,16 @@ print(json.dumps({
         for name, module in sorted(sys.modules.items())
         if name.split(".")[0] in ours
     },
-    "observe": (pathlib.Path(fp32keep.__file__).parent / "observe.py").is_file(),
+    "observe": any(
+        (pathlib.Path(fp32keep.__file__).parent / where).is_file()
+        for where in ("observe.py", "uses/observe.py")
+    ),
 }))
 """
 """What each arm imports, in the environment and directory its command and ranks get: every
 module of both packages that the command and the ranks' program load, and whether the tree has
-``fp32keep/observe.py`` (added by issue 22). ``importlib.util.find_spec`` would not do for the
+the observation module (``fp32keep/observe.py`` as issue 22 added it, ``fp32keep/uses/observe.py``
+since). ``importlib.util.find_spec`` would not do for the
 latter: the venv's editable finder answers a submodule the old tree lacks from this tree."""
 
 
@@ -159,7 +163,7 @@ def verify(arm: Arm, expect_observe: bool) -> dict[str, Any]:
         raise RuntimeError(f"the {arm.name} arm imports modules from outside {arm.tree}: {strays}")
     if found["observe"] is not expect_observe:
         raise RuntimeError(
-            f"the {arm.name} arm {'lacks' if expect_observe else 'has'} fp32keep/observe.py: "
+            f"the {arm.name} arm {'lacks' if expect_observe else 'has'} fp32keep/uses/observe.py: "
             f"{arm.tree} is not the code this arm should measure"
         )
     return found
@@ -305,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "imports verified before timing: every fp32keep and pytest_fp32keep module the command "
         f"and its ranks load ({len(imports['new']['modules'])} new, "
         f"{len(imports['old']['modules'])} old) comes from the arm's own tree (new {ROOT}, "
-        f"old {old_tree}); the old tree has no fp32keep/observe.py, this tree has it"
+        f"old {old_tree}); the old tree has no fp32keep/uses/observe.py, this tree has it"
     )
     if args.quick:
         result.notes.append(

@@ -117,7 +117,7 @@ def _worker(args: argparse.Namespace) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model_config = QUICK_MODEL if args.quick else FULL_MODEL
     batch, seq = QUICK_BATCH if args.quick else FULL_BATCH
-    from fp32keep.keep_policy import OVERRIDE_SUPPORTED
+    from fp32keep.shard.keep_policy import OVERRIDE_SUPPORTED
 
     arms = ARMS + (MASTER_ARMS if OVERRIDE_SUPPORTED else ())
     steppers = {arm: _build_arm(arm, model_config, mesh) for arm in arms}

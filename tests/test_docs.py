@@ -100,14 +100,14 @@ def long_rows(readme: str) -> list[str]:
 
 def test_nothing_refers_to_files_outside_the_repository() -> None:
     files = dict(_texts())
-    assert "README.md" in files and "impl/fp32keep/compat.py" in files, sorted(files)[:5]
+    assert "README.md" in files and "impl/fp32keep/plan/compat.py" in files, sorted(files)[:5]
     found = [hit for where, text in files.items() for hit in outside_references(where, text)]
     assert found == [], "files outside the repository are referenced:\n" + "\n".join(found)
 
 
 def test_an_outside_reference_is_caught() -> None:
     crafted = {
-        "impl/fp32keep/compat.py": f"Every fact mirrors ``{_SHARED}/docs/semantics.md``.",
+        "impl/fp32keep/plan/compat.py": f"Every fact mirrors ``{_SHARED}/docs/semantics.md``.",
         "docs/design.md": f"See [the notes](../../{_SHARED}/design.md) and ../{_SHARED}/seeds/x.",
         "docs/a.md": "A link [out](../../elsewhere.md) of the repository.",
     }

@@ -27,9 +27,7 @@ from tests import error_bounds
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "errors.md"
 #: Where the layout's refusals are built: the planner, and the wording of its refusals.
-LAYOUT_SOURCES = tuple(
-    ROOT / "impl" / "fp32keep" / name for name in ("layout.py", "layout_problems.py")
-)
+LAYOUT_SOURCES = tuple(sorted((ROOT / "impl" / "fp32keep" / "layout").glob("*.py")))
 HEADINGS = ("Library, bad layouts", "Library, bad calls", "Plugin and CLI", "Runner faults")
 COLUMNS = ["Row", "Situation", "What the user sees", "Time bound", "Test"]
 
@@ -238,7 +236,7 @@ def test_every_exception_of_fp32keep_errors_has_a_row() -> None:
 
 
 def layout_reason_tags() -> set[str]:
-    """The reason of every ``LayoutProblem(...)`` that layout.py and layout_problems.py build."""
+    """The reason of every ``LayoutProblem(...)`` that a module of ``fp32keep.layout`` builds."""
     tags: set[str] = set()
     trees = [ast.parse(source.read_text(encoding="utf-8")) for source in LAYOUT_SOURCES]
     for node in (node for tree in trees for node in ast.walk(tree)):

@@ -51,7 +51,7 @@ NOT_BUILDABLE: Mapping[str, tuple[type[Exception], str]] = MappingProxyType({})
 #: written with why: their cases must fail with the oracle's ``AssertionError`` (strict xfail,
 #: so a fix shows); docs/families.md counts them as differing.
 #: None today: esmfold2's ``parcae.log_delta``, built FP32 by its code and in no list, is kept by
-#: the plan since it observes construction (:mod:`fp32keep.constructed`).
+#: the plan since it observes construction (:mod:`fp32keep.plan.constructed`).
 KNOWN_DIFFERENCES: Mapping[str, str] = MappingProxyType({})
 
 

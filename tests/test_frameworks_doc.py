@@ -137,7 +137,7 @@ def test_only_the_pinned_versions_collect_them() -> None:
         "accelerate 1.15.0 (not installed), transformers 5.24 (5.25.0)"
     )
     sources = "".join(
-        p.read_text(encoding="utf-8") for p in (ROOT / "tests" / "frameworks").glob("*.py")
+        p.read_text(encoding="utf-8") for p in (ROOT / "tests" / "frameworks").rglob("*.py")
     )
     assert "importorskip" not in sources and "pytest.skip" not in sources
 

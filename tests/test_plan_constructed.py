@@ -20,10 +20,10 @@ import pytest
 import torch
 from torch import nn
 
-import fp32keep.constructed
-import fp32keep.plan
+import fp32keep.plan.constructed
+import fp32keep.plan.keep_plan
 from fp32keep import KeepPlan, resolve_keep_plan
-from fp32keep.constructed import clear_cache, plan_divergence
+from fp32keep.plan.constructed import clear_cache, plan_divergence
 from tests.test_plan_oracle import _oracle
 
 transformers = pytest.importorskip("transformers")
@@ -76,7 +76,7 @@ def toy() -> Any:
 def ignoring_construction(model: nn.Module, dtype: torch.dtype) -> KeepPlan:
     """The plan of a resolver that reads the keep lists only (construction not observed)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fp32keep.plan, "_observe_constructions", lambda *_: [])
+        patch.setattr(fp32keep.plan.keep_plan, "_observe_constructions", lambda *_: [])
         return resolve_keep_plan(model, dtype)
 
 
@@ -176,15 +176,15 @@ def test_a_rebuild_failing_for_its_environment_is_not_cached(
     A failure of the class and config themselves stays cached (the test above)."""
     clear_cache()
     model = toy()
-    observe = fp32keep.constructed._observe
+    observe = fp32keep.plan.constructed._observe
 
     def full(*_: Any) -> dict[str, str]:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(fp32keep.constructed, "_observe", full)
+    monkeypatch.setattr(fp32keep.plan.constructed, "_observe", full)
     with pytest.warns(RuntimeWarning, match="OSError"):
         assert resolve_keep_plan(model, torch.bfloat16).unobserved
-    monkeypatch.setattr(fp32keep.constructed, "_observe", observe)
+    monkeypatch.setattr(fp32keep.plan.constructed, "_observe", observe)
     plan = resolve_keep_plan(model, torch.bfloat16)
     assert plan.unobserved == () and plan.names == {"decay.log_delta", "decay.scale"}
 
@@ -245,7 +245,7 @@ def test_a_repeated_plan_does_not_serialise_its_config_but_notices_changes_in_pl
     model = toy()
     model.config.extra = {"sections": [1]}
     serialised = rebuilt = 0
-    to_json, observe = ToyConfig.to_json_string, fp32keep.constructed._observe
+    to_json, observe = ToyConfig.to_json_string, fp32keep.plan.constructed._observe
 
     def counting_json(self: Any, *args: Any, **kwargs: Any) -> str:
         nonlocal serialised
@@ -258,7 +258,7 @@ def test_a_repeated_plan_does_not_serialise_its_config_but_notices_changes_in_pl
         return observe(*args)
 
     monkeypatch.setattr(ToyConfig, "to_json_string", counting_json)
-    monkeypatch.setattr(fp32keep.constructed, "_observe", counting_observe)
+    monkeypatch.setattr(fp32keep.plan.constructed, "_observe", counting_observe)
     resolve_keep_plan(model, torch.bfloat16)
     assert (serialised, rebuilt) == (0, 1)
     resolve_keep_plan(model, torch.bfloat16)
@@ -319,14 +319,14 @@ def test_a_config_the_snapshot_cannot_take_is_keyed_by_its_json(
 
     model.config.opaque = Opaque(1)
     rebuilt = 0
-    observe = fp32keep.constructed._observe
+    observe = fp32keep.plan.constructed._observe
 
     def counting_observe(*args: Any) -> dict[str, str]:
         nonlocal rebuilt
         rebuilt += 1
         return observe(*args)
 
-    monkeypatch.setattr(fp32keep.constructed, "_observe", counting_observe)
+    monkeypatch.setattr(fp32keep.plan.constructed, "_observe", counting_observe)
     monkeypatch.setattr(ToyConfig, "to_json_string", lambda self, **_: repr(vars(self)))
     first = resolve_keep_plan(model, torch.bfloat16)
     assert resolve_keep_plan(model, torch.bfloat16).names == first.names and rebuilt == 1

@@ -14,7 +14,7 @@ from torch import nn
 
 import fp32keep
 from fp32keep import KeepPlanError
-from fp32keep.plan_use import check_plan_for_policy
+from fp32keep.plan.use import check_plan_for_policy
 from pytest_fp32keep.check.zoo import ZOO
 from tests.error_bounds import LIBRARY_BOUND_S, within
 from tests.untouched import assert_same_parameters, snapshot

@@ -25,9 +25,9 @@ from packaging.version import Version
 from torch import nn
 
 from fp32keep import KeepLayoutError, KeepPlan, keep_aware_cast, resolve_keep_plan
-from fp32keep.compat import REGULAR_ATTR, STRICT_ATTR, installed_semantics, semantics_for
-from fp32keep.layout import plan_layout
-from fp32keep.plan import _post_init_lists
+from fp32keep.layout.planning import plan_layout
+from fp32keep.plan.compat import REGULAR_ATTR, STRICT_ATTR, installed_semantics, semantics_for
+from fp32keep.plan.keep_plan import _post_init_lists
 from pytest_fp32keep.check.zoo import ZOO, transformers_version
 from tests.error_bounds import LIBRARY_BOUND_S, within
 from tests.zoo_entries import available_or_skip

@@ -13,7 +13,6 @@ own units needs to gather them as :func:`apply_fsdp2` does (the contract's contr
 """
 
 from fp32keep.cast import keep_aware_cast, upcast_to_fp32_master
-from fp32keep.constructed import plan_divergence
 from fp32keep.errors import (
     Fp32KeepError,
     Fp32KeepNotImplementedError,
@@ -27,14 +26,16 @@ from fp32keep.errors import (
     SourceFallbackWarning,
     StateDictError,
 )
-from fp32keep.gathered import methods_to_gather, register_gathered_methods
-from fp32keep.keep_policy import keep_policy, policy_blocker
-from fp32keep.layout import Layout, Unit, plan_layout
+from fp32keep.layout.planning import plan_layout
+from fp32keep.layout.targets import WrapSpec
+from fp32keep.layout.units import Layout, Unit
 from fp32keep.load.loader import LoadResult, gather_full_state_dict, load_full_state_dict
-from fp32keep.observe import ParameterUse, UnitMembers, observe_parameter_use
-from fp32keep.plan import KeepMatch, KeepPlan, resolve_keep_plan
-from fp32keep.wrap import apply_fsdp2, infer_low_precision_dtype, sharded_layout
-from fp32keep.wrap_targets import WrapSpec
+from fp32keep.plan.constructed import plan_divergence
+from fp32keep.plan.keep_plan import KeepMatch, KeepPlan, resolve_keep_plan
+from fp32keep.shard.apply import apply_fsdp2, infer_low_precision_dtype, sharded_layout
+from fp32keep.shard.gathered import methods_to_gather, register_gathered_methods
+from fp32keep.shard.keep_policy import keep_policy, policy_blocker
+from fp32keep.uses.observe import ParameterUse, UnitMembers, observe_parameter_use
 
 __all__ = [
     "Fp32KeepError",

@@ -7,8 +7,8 @@ from torch import nn
 
 from fp32keep._torch.modules import rebind_buffer
 from fp32keep.errors import hidden_in_tracebacks
-from fp32keep.plan import KeepPlan, resolve_keep_plan
-from fp32keep.plan_use import check_plan_fits, check_plan_for_cast
+from fp32keep.plan.keep_plan import KeepPlan, resolve_keep_plan
+from fp32keep.plan.use import check_plan_fits, check_plan_for_cast
 from fp32keep.tensors import (
     check_float_dtype,
     check_module,

@@ -184,7 +184,9 @@ def _on_another_group(mesh: DeviceMesh, pick: Callable[[nn.Module], list[nn.Para
         wrap: object,
     ) -> None:
         for layer in model.layers:
-            fully_shard(layer.wo, mesh=mesh, mp_policy=fp32keep.wrap.kept_unit_policy(mp_policy))
+            fully_shard(
+                layer.wo, mesh=mesh, mp_policy=fp32keep.shard.apply.kept_unit_policy(mp_policy)
+            )
             moved = {id(p) for p in pick(layer)}
             fully_shard(
                 layer,

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-import fp32keep.wrap
+import fp32keep.shard.apply
 from fp32keep import KeepPlan, WrapSpec, apply_fsdp2
 from pytest_fp32keep import ContractViolation, assert_fp32_keep_contract
 from pytest_fp32keep.check.zoo import ZOO, available_entries
@@ -52,17 +52,17 @@ def bf16_reduction(
 ) -> None:
     """fp32keep's layout and wrapping, with every kept unit's policy made to reduce its FP32
     gradients in bf16 although the caller's policy says FP32: ``apply_fsdp2`` with its kept-unit
-    policy (``fp32keep.wrap.kept_unit_policy``) swapped for a wrong one, so each kept unit is
+    policy (``fp32keep.shard.apply.kept_unit_policy``) swapped for a wrong one, so each kept unit is
     sharded ``fully_shard(kept, mp_policy=...(reduce_dtype=bf16))`` on exactly fp32keep's layout
     (public torch API only; FSDP2 itself is not touched)."""
-    correct = fp32keep.wrap.kept_unit_policy
+    correct = fp32keep.shard.apply.kept_unit_policy
     calls: list[MixedPrecisionPolicy] = []
 
     def reducing_in_bf16(policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
         calls.append(policy)
         return dataclasses.replace(correct(policy), reduce_dtype=torch.bfloat16)
 
-    with mock.patch.object(fp32keep.wrap, "kept_unit_policy", reducing_in_bf16):
+    with mock.patch.object(fp32keep.shard.apply, "kept_unit_policy", reducing_in_bf16):
         apply_fsdp2(model, mesh=mesh, mp_policy=mp_policy, plan=plan, wrap=wrap)
     kept_units = [u for u in unit_layout(model) if u.params and all(n in plan for n in u.params)]
     assert calls and kept_units, "the negative control found no kept unit to break"

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 
 from fp32keep import KeepLayoutError, LayoutProblem, StateDictError
-from fp32keep.constructed import plan_divergence
 from fp32keep.load.validate import Verdict, verdict_error
+from fp32keep.plan.constructed import plan_divergence
 from fp32keep.reprs import SHOWN, first_few, first_lines
 from tests.error_bounds import LIBRARY_BOUND_S, within
 

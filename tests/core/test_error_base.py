@@ -33,8 +33,8 @@ from fp32keep import (
     KeepPlanError,
     StateDictError,
 )
-from fp32keep.fsdp_hooks import FsdpHooksError
-from fp32keep.wrap import observation_refusal
+from fp32keep._torch.fsdp_hooks import FsdpHooksError
+from fp32keep.shard.apply import observation_refusal
 from tests.core.toys import SEMANTICS, model_with_names, stack_class
 from tests.error_bounds import LIBRARY_BOUND_S, within
 
@@ -98,18 +98,21 @@ def foreign_raises(source: str, namespace: dict[str, object]) -> list[str]:
     return found
 
 
+def _module(path: Path) -> str:
+    """``fp32keep.layout.planning`` for ``impl/fp32keep/layout/planning.py`` (packages too)."""
+    parts = path.relative_to(LIBRARY).with_suffix("").parts
+    return ".".join(("fp32keep", *(parts[:-1] if parts[-1] == "__init__" else parts)))
+
+
 def test_every_raise_in_the_library_is_an_fp32keep_error() -> None:
-    modules = sorted(LIBRARY.glob("*.py"))
+    modules = sorted(LIBRARY.rglob("*.py"))
     assert len(modules) > 20  # the real library, not an empty folder
     offences = {
-        path.name: found
+        str(path.relative_to(LIBRARY)): found
         for path in modules
         if (
             found := foreign_raises(
-                path.read_text(encoding="utf-8"),
-                vars(importlib.import_module(f"fp32keep.{path.stem}"))
-                if path.stem != "__init__"
-                else vars(fp32keep),
+                path.read_text(encoding="utf-8"), vars(importlib.import_module(_module(path)))
             )
         )
     }

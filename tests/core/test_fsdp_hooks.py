@@ -1,5 +1,5 @@
-"""The library's one entry to FSDP2's private state (``fp32keep.fsdp_hooks``): verified on the
-installed torch, and a clear error where torch changed the shape it calls."""
+"""The library's one entry to FSDP2's private state (``fp32keep._torch.fsdp_hooks``): verified on
+the installed torch, and a clear error where torch changed the shape it calls."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from packaging.version import Version
 
-from fp32keep import fsdp_hooks
+from fp32keep._torch import fsdp_hooks
 
 
 def test_the_installed_torch_is_one_the_hooks_were_verified_on() -> None:
@@ -16,7 +16,7 @@ def test_the_installed_torch_is_one_the_hooks_were_verified_on() -> None:
     release = Version(torch.__version__)
     installed = f"{release.major}.{release.minor}"
     assert installed in fsdp_hooks.VERIFIED_TORCH, (
-        f"torch {torch.__version__}: fp32keep.fsdp_hooks was verified on "
+        f"torch {torch.__version__}: fp32keep._torch.fsdp_hooks was verified on "
         f"{sorted(fsdp_hooks.VERIFIED_TORCH)} only"
     )
     for name in fsdp_hooks.PRIVATE_READS:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from fp32keep import KeepLayoutError, keep_aware_cast, plan_layout, resolve_keep_plan
-from fp32keep.layout import Layout
+from fp32keep.layout.units import Layout
 from fp32keep.uses.source import find_direct_read, unseen_uses
 from tests.core.kept_toys import ConvReadStack, EncodeStack, ReadStack, SinkStack, TowerStack
 from tests.core.toys import stack_class

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from fp32keep import KeepLayoutError, KeepPlan, keep_aware_cast, plan_layout, resolve_keep_plan
-from fp32keep.layout import Layout
+from fp32keep.layout.units import Layout
 from tests.core.toys import Block, Stack, stack_class
 
 BF16, FP32 = torch.bfloat16, torch.float32

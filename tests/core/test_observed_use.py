@@ -22,8 +22,8 @@ from fp32keep import (
     plan_layout,
 )
 from fp32keep import resolve_keep_plan as resolve
-from fp32keep.layout import Layout
-from fp32keep.observe import CALL
+from fp32keep.layout.units import Layout
+from fp32keep.uses.observe import CALL
 from fp32keep.uses.source import find_direct_read, unseen_uses
 from tests.core.kept_toys import ConvReadStack, EncodeStack, ReadStack, SinkStack, TowerStack
 from tests.core.observed_toys import (
@@ -113,7 +113,7 @@ def test_negative_control_an_inherited_forward_that_calls_the_module() -> None:
 def test_a_kept_parameter_used_outside_its_unit_is_refused_naming_the_stack() -> None:
     # The parent calls scaler.proj itself: proj's weights belong to the scaler's unit, which
     # FSDP2 gathers only in the scaler's call. The observation refuses it, saying where; the
-    # source scan of the unit's ancestors (fp32keep.unit_reach) finds the call too.
+    # source scan of the unit's ancestors (fp32keep.layout.reach) finds the call too.
     model = cast(ChildCalledStack())
     plan = resolve(model, BF16, transformers_version=SEMANTICS)
     with pytest.raises(KeepLayoutError) as error:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fp32keep import KeepDeclarationError, resolve_keep_plan
-from fp32keep.compat import installed_transformers_version, semantics_for
+from fp32keep.plan.compat import installed_transformers_version, semantics_for
 from tests.core.toys import model_with_names
 
 GROUP_A, GROUP_B, GROUP_C = "4.56.2", "5.0.0", "5.10.4"
@@ -301,12 +301,12 @@ def test_group_b_applies_the_dtype_plan_frozen_at_init() -> None:
 def test_what_if_needs_no_installed_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
     from importlib import metadata
 
-    import fp32keep.plan
+    import fp32keep.plan.keep_plan
 
     def missing() -> None:
         raise metadata.PackageNotFoundError("transformers")
 
-    monkeypatch.setattr(fp32keep.plan, "installed_semantics", missing)
+    monkeypatch.setattr(fp32keep.plan.keep_plan, "installed_semantics", missing)
     model = model_with_names(["a.wo.weight", "a.x.weight"], regular=["wo"])
     plan = resolve_keep_plan(model, FP16, transformers_version=GROUP_C)
     assert plan.param_names == {"a.wo.weight"}

@@ -20,11 +20,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fp32keep import KeepLayoutError, keep_aware_cast, observe_parameter_use, resolve_keep_plan
-from fp32keep.layout import plan_layout
+from fp32keep.layout.planning import plan_layout
 from fp32keep.load.move import Target
 from fp32keep.load.validate import entry_problem
+from fp32keep.shard.apply import infer_low_precision_dtype
 from fp32keep.uses.source import find_direct_read
-from fp32keep.wrap import infer_low_precision_dtype
 from tests.core.kept_toys import ReadStack
 from tests.core.toys import Stack, stack_class
 from tests.error_bounds import LIBRARY_BOUND_S, within

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from fp32keep import KeepLayoutError, plan_layout
-from fp32keep import layout as layout_module
-from fp32keep.layout import Layout
+from fp32keep.layout import planning as layout_module
+from fp32keep.layout.units import Layout
 from tests.core.root_toys import (
     MixedRootStack,
     QueryStack,

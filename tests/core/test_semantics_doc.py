@@ -1,7 +1,7 @@
 """docs/transformers-keep-semantics.md and the resolver say the same thing.
 
 The page's two *checked* tables are parsed here: each cell of the rules table is compared with
-what :func:`fp32keep.compat.semantics_for` holds for releases of that column's group, and each
+what :func:`fp32keep.plan.compat.semantics_for` holds for releases of that column's group, and each
 row of the edge-case table is resolved on a toy model under each group. A wrong cell in a crafted
 copy of the page fails the same comparison (the negative controls at the end).
 """
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fp32keep import KeepDeclarationError, resolve_keep_plan
-from fp32keep.compat import KeepSemantics, semantics_for
+from fp32keep.plan.compat import KeepSemantics, semantics_for
 from tests.core.toys import model_with_names
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "transformers-keep-semantics.md"

@@ -18,8 +18,8 @@ from torch import nn
 
 from fp32keep import KeepLayoutError, SourceFallbackWarning, keep_aware_cast, plan_layout
 from fp32keep import resolve_keep_plan as resolve
+from fp32keep.shard.apply import _warn_unseen
 from fp32keep.uses.source import find_direct_read, unseen_uses
-from fp32keep.wrap import _warn_unseen
 from tests.core.kept_toys import ReadStack
 from tests.core.observed_toys import HelperStack
 from tests.core.toys import Block

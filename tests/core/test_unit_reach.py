@@ -1,5 +1,5 @@
 """Layout planning (pure): a parameter of a unit fp32keep makes, used by code outside that unit,
-is refused before sharding (issue 23's fail-closed gap; :mod:`fp32keep.unit_reach`).
+is refused before sharding (issue 23's fail-closed gap; :mod:`fp32keep.layout.reach`).
 
 The toys (:mod:`tests.core.read_toys`) spell out who reads what; the expected refusals are
 written from their code. tests/multirank/test_unit_reach_fsdp2.py shows the layouts refused here
@@ -14,7 +14,7 @@ from torch import nn
 
 import fp32keep
 from fp32keep import KeepLayoutError, ParameterUse, plan_layout
-from fp32keep.layout import Layout
+from fp32keep.layout.units import Layout
 from fp32keep.uses import source
 from tests.core.read_toys import (
     CalledHeadReadingRoot,

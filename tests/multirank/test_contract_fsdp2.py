@@ -14,7 +14,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 import fp32keep
 from fp32keep import KeepPlan
-from fp32keep.compat import installed_semantics
+from fp32keep.plan.compat import installed_semantics
 from pytest_fp32keep import ContractViolation, assert_fp32_keep_contract
 from tests.core.toys import stack_class
 
@@ -57,7 +57,7 @@ def test_contract_holds(
 @pytest.mark.parametrize("group_kept", ["block", "model"])
 def test_contract_holds_with_grouped_kept_units(
     mesh: DeviceMesh,
-    group_kept: fp32keep.layout.KeptGrouping,
+    group_kept: fp32keep.layout.planning.KeptGrouping,
     dtype: torch.dtype,
     autocast: bool,
     prefetch: bool,

@@ -21,7 +21,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 import fp32keep
 from fp32keep import Fp32KeepNotImplementedError, Fp32KeepValueError, KeepLayoutError, KeepPlan
-from fp32keep.keep_policy import OVERRIDE_SUPPORTED
+from fp32keep.shard.keep_policy import OVERRIDE_SUPPORTED
 from pytest_fp32keep import ContractReport, ContractViolation, assert_fp32_keep_contract
 from pytest_fp32keep.check.zoo import ZOO
 from tests.error_bounds import LIBRARY_BOUND_S, within

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 import fp32keep
 from fp32keep import KeepLayoutError
-from fp32keep.wrap import kept_unit_policy
+from fp32keep.shard.apply import kept_unit_policy
 from pytest_fp32keep import assert_fp32_keep_contract
 from tests.core.kept_toys import (
     ConvReadStack,

@@ -28,9 +28,9 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 import fp32keep
-from fp32keep import fsdp_hooks
-from fp32keep.gathered import register_gathered_methods
-from fp32keep.wrap import kept_unit_policy
+from fp32keep._torch import fsdp_hooks
+from fp32keep.shard.apply import kept_unit_policy
+from fp32keep.shard.gathered import register_gathered_methods
 from tests.core.observed_toys import HelperStack, InheritedReadStack, NestedCallsStack
 from tests.error_bounds import LIBRARY_BOUND_S
 from tests.multirank.refusals import refused_on_every_rank as shared_refused_on_every_rank

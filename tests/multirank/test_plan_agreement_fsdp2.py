@@ -1,13 +1,13 @@
 """A keep plan that differs between ranks is an error on every rank, where ranks already meet.
 
 The plan observes what the model code builds in FP32 by rebuilding the class on the meta device
-(:mod:`fp32keep.constructed`). A rebuild that fails on one rank only (a file, memory or an import
-of that rank's own: ``OSError`` here) fails open there: that rank's plan misses the constructed
-tensors the others keep, and the ranks would cast and shard different dtypes. Where the ranks
-already exchange something before anything is cast or sharded (``apply_fsdp2(observed=...)``,
-the contract's ``build`` step) the plans' digests are compared: every rank raises, naming the
-rank and its failure. Before, both calls went on with the divergent plans (the negative control
-is the old code: neither raised).
+(:mod:`fp32keep.plan.constructed`). A rebuild that fails on one rank only (a file, memory or an
+import of that rank's own: ``OSError`` here) fails open there: that rank's plan misses the
+constructed tensors the others keep, and the ranks would cast and shard different dtypes. Where the
+ranks already exchange something before anything is cast or sharded (``apply_fsdp2(observed=...)``,
+the contract's ``build`` step) the plans' digests are compared: every rank raises, naming the rank
+and its failure. Before, both calls went on with the divergent plans (the negative control is the
+old code: neither raised).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 import fp32keep
-from fp32keep import constructed
+from fp32keep.plan import constructed
 from pytest_fp32keep import assert_fp32_keep_contract
 from tests.error_bounds import LIBRARY_BOUND_S
 from tests.multirank.refusals import refused_on_every_rank as shared_refused_on_every_rank

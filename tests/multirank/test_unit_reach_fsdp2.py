@@ -22,7 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fp32keep
 from fp32keep import KeepLayoutError, KeepPlan
-from fp32keep.wrap import kept_unit_policy
+from fp32keep.shard.apply import kept_unit_policy
 from pytest_fp32keep import assert_fp32_keep_contract
 from tests.core.read_toys import (
     ChildCallingRoot,

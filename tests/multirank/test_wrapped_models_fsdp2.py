@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 
 import fp32keep
 from fp32keep import KeepLayoutError, KeepPlan
-from fp32keep.wrap import kept_unit_policy
+from fp32keep.shard.apply import kept_unit_policy
 from pytest_fp32keep import ContractViolation, assert_fp32_keep_contract
 from pytest_fp32keep.check.zoo import ZOO
 from pytest_fp32keep.check.zoo.batches import causal_lm_batch

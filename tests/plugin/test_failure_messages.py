@@ -465,7 +465,7 @@ def test_a_layout_refusal_at_two_ranks_is_one_traceback_even_with_locals(
     # the library's own error: its frames hidden (fp32keep's __tracebackhide__), the message
     # under the test's line, its problem lines wrapped to 100 columns (issue 36)
     assert "def plan_layout(" not in text and "def apply_fsdp2(" not in text, text
-    assert "fp32keep/layout.py" not in text and "fp32keep/wrap.py" not in text, text
+    assert "fp32keep/layout/planning.py" not in text and "fp32keep/shard/apply.py" not in text, text
     assert "fp32keep.apply_fsdp2(model, mesh=fsdp2_mesh, mp_policy=policy, plan=plan)" in text
     assert text.count("E       fp32keep.errors.KeepLayoutError: FSDP2 cannot keep") == 1, text
     assert "E         query_tokens  [root-owned] is kept (torch.float32)" in text

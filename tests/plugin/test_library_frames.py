@@ -71,7 +71,7 @@ def test_an_error_of_fp32keep_shows_the_callers_line_and_the_message(output: str
     text = failure_section(output, "test_a_plan_for_another_dtype")
     assert "fp32keep.keep_aware_cast(model, torch.bfloat16, plan=plan)" in text  # the user's line
     assert "KeepPlanError: keep_aware_cast(dtype=torch.bfloat16) was given a keep plan" in text
-    assert "fp32keep/cast.py" not in text and "fp32keep/plan_use.py" not in text, text
+    assert "fp32keep/cast.py" not in text and "fp32keep/plan/use.py" not in text, text
     assert "def keep_aware_cast(" not in text and "def check_plan_for_cast(" not in text, text
 
 

@@ -1,6 +1,6 @@
 """The dispatch and autograd internals the library reads, in one place.
 
-:mod:`fp32keep.observe` sees every operator that takes a parameter through a
+:mod:`fp32keep.uses.observe` sees every operator that takes a parameter through a
 ``TorchDispatchMode``, whose only home is the private ``torch.utils._python_dispatch``, and
 leaves out the operators autograd's engine runs in backward, which only
 ``torch._C._current_graph_task_id`` tells (``-1`` outside a backward graph task on this thread).
@@ -13,7 +13,7 @@ API for these, so this module reads them, and nothing else in the library does
 Every private name read here is in :data:`PRIVATE_READS`, and the torch releases the reads were
 verified on in :data:`VERIFIED_TORCH`. When torch moves one, using it raises
 :class:`TorchDispatchError` naming the name and the installed torch (the dispatch mode already
-when :mod:`fp32keep.observe` is imported: its recorder subclasses it).
+when :mod:`fp32keep.uses.observe` is imported: its recorder subclasses it).
 """
 
 from __future__ import annotations

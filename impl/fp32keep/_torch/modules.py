@@ -7,7 +7,7 @@ in so that every tied alias sees the one new tensor. ``_non_persistent_buffers_s
 record of which buffers a state dict leaves out; ``_apply`` is the one pass over a module tree's
 tensors that ``FSDPModule`` overrides (it re-pads each sharded parameter), which ``to_empty``
 runs too; ``_call_impl`` is the body of ``nn.Module.__call__``, where FSDP2's forward hooks run,
-whose frame :mod:`fp32keep.observe` recognises on the stack. torch has no public API for any of
+whose frame :mod:`fp32keep.uses.observe` recognises on the stack. torch has no public API for any of
 them, so this module reads them, and nothing else in the library does
 (``tests/test_architecture.py`` checks; the plugin does not read them at all).
 

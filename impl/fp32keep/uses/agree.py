@@ -26,15 +26,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fp32keep.constructed import plan_divergence
 from fp32keep.errors import (
     Fp32KeepError,
     Fp32KeepTypeError,
     Fp32KeepValueError,
     hidden_in_tracebacks,
 )
-from fp32keep.observe import ParameterUse, observe_parameter_use
-from fp32keep.plan import KeepPlan
+from fp32keep.plan.constructed import plan_divergence
+from fp32keep.plan.keep_plan import KeepPlan
+from fp32keep.uses.observe import ParameterUse, observe_parameter_use
 
 #: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
 __tracebackhide__ = hidden_in_tracebacks

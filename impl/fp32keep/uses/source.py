@@ -83,7 +83,7 @@ class DirectRead:
         reader_fqn: the module whose class is ``reader`` (``""`` for the model itself).
         evidence: how the read was found: where the source spells it (``"read in
             VoxtralEncoder.forward()"``) or where it was observed (``"observed in
-            VoxtralEncoder.forward"``, :mod:`fp32keep.observe`).
+            VoxtralEncoder.forward"``, :mod:`fp32keep.uses.observe`).
     """
 
     module_fqn: str

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fp32keep.compat import LOW_PRECISION_DTYPES
 from fp32keep.errors import KeepPlanError, hidden_in_tracebacks
-from fp32keep.plan import KeepPlan
+from fp32keep.plan.compat import LOW_PRECISION_DTYPES
+from fp32keep.plan.keep_plan import KeepPlan
 from fp32keep.reprs import first_few
 from fp32keep.tensors import dtype_name, tensor_slots
 

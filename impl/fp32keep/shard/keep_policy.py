@@ -27,14 +27,14 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from fp32keep.compat import LOW_PRECISION_DTYPES
 from fp32keep.errors import (
     Fp32KeepNotImplementedError,
     Fp32KeepValueError,
     hidden_in_tracebacks,
 )
-from fp32keep.plan import KeepPlan
-from fp32keep.plan_use import check_plan_fits
+from fp32keep.plan.compat import LOW_PRECISION_DTYPES
+from fp32keep.plan.keep_plan import KeepPlan
+from fp32keep.plan.use import check_plan_fits
 from fp32keep.reprs import first_few
 from fp32keep.tensors import dtype_name
 

@@ -5,10 +5,11 @@ together under one mixed-precision policy. Three kinds exist:
 
 * ``kept``: the topmost modules whose floating parameters are all kept, wrap targets nested inside
   them, and modules that directly own only kept parameters (attention ``sinks``) but have
-  children that are not kept (chosen in :mod:`fp32keep.kept_units`); sharded with
-  :func:`fp32keep.wrap.kept_unit_policy`, no ``param_dtype``, so FSDP2 all-gathers them in their
-  FP32 storage dtype without casting the module's inputs (a ``param_dtype=torch.float32`` unit
-  would turn the module's activation boundary FP32: the known wrong fix);
+  children that are not kept (chosen in :mod:`fp32keep.layout.kept`); sharded with
+  :func:`fp32keep.shard.apply.kept_unit_policy`, no ``param_dtype``, so FSDP2 all-gathers them
+  in their FP32 storage dtype without casting the module's inputs (a
+  ``param_dtype=torch.float32`` unit would turn the module's activation boundary FP32: the known
+  wrong fix);
 * ``standard``: the caller's wrap targets (by default the classes in ``_no_split_modules``), and
   the children of an owner unit, sharded before it;
 * ``root``: the model itself, owning whatever no other unit took.
@@ -18,17 +19,15 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
 import torch
 from torch import nn
 
 from fp32keep.errors import Fp32KeepValueError, KeepLayoutError, LayoutProblem, hidden_in_tracebacks
-from fp32keep.frozen import FrozenMapping
-from fp32keep.gathered import methods_to_gather
-from fp32keep.kept_units import ReadFinder, float_param_names, kept_modules
-from fp32keep.layout_problems import (
+from fp32keep.layout.kept import ReadFinder, float_param_names, kept_modules
+from fp32keep.layout.problems import (
     degraded_problem,
     mixed_dtype_problem,
     mixed_problem,
@@ -36,106 +35,23 @@ from fp32keep.layout_problems import (
     root_problem,
     tied_problem,
 )
-from fp32keep.observe import ParameterUse, UnitMembers
-from fp32keep.plan import KeepPlan
+from fp32keep.layout.reach import outside_uses
+from fp32keep.layout.targets import WrapSpec as WrapSpec  # re-exported: its home before the split
+from fp32keep.layout.targets import check_wrap, wrap_predicate
+from fp32keep.layout.tied import TieGroup, sharding_order, tie_groups
+from fp32keep.layout.units import Layout, Unit, UnitKind
+from fp32keep.plan.keep_plan import KeepPlan
+from fp32keep.shard.gathered import methods_to_gather
 from fp32keep.tensors import check_module, dtype_name, is_castable_float, iter_owned, join
-from fp32keep.tied_units import TieGroup, sharding_order, tie_groups
-from fp32keep.unit_reach import outside_uses
+from fp32keep.uses.observe import ParameterUse, UnitMembers
 from fp32keep.uses.source import DirectRead, find_direct_read
-from fp32keep.wrap_targets import WrapSpec as WrapSpec  # re-exported: its home before the split
-from fp32keep.wrap_targets import check_wrap, wrap_predicate
 
 #: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
 __tracebackhide__ = hidden_in_tracebacks
 
-UnitKind = Literal["kept", "standard", "root"]
 KeptGrouping: TypeAlias = bool | Literal["block", "model"]
 """How kept modules are grouped into units: ``False`` (one unit per kept module), ``True`` or
 ``"block"`` (one unit per standard unit's kept modules), ``"model"`` (one unit for all)."""
-
-
-@dataclass(frozen=True)
-class Unit:
-    """One planned ``fully_shard`` call.
-
-    Attributes:
-        kind: ``"kept"``, ``"standard"`` or ``"root"``.
-        module_fqns: the modules sharded together (one, or several for a grouped kept unit).
-        depth: nesting depth of the deepest module, used to shard children before parents.
-        stays_gathered: all-gathered once per step and not resharded after forward (the
-            model-wide kept unit: resharding it would all-gather every kept parameter of the
-            model again in backward).
-    """
-
-    kind: UnitKind
-    module_fqns: tuple[str, ...]
-    depth: int
-    stays_gathered: bool = False
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "module_fqns", tuple(self.module_fqns))  # read-only, hashable
-
-    @property
-    def label(self) -> str:
-        """A readable name for messages."""
-        names = [fqn or "<root>" for fqn in self.module_fqns]
-        return names[0] if len(names) == 1 else "[" + ", ".join(names) + "]"
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The units of a model in sharding order (children before parents, root last).
-
-    Read-only through and through: its collections are tuples and
-    :class:`fp32keep.frozen.FrozenMapping` s (copies of what it was built from), so a layout
-    cannot be changed after :func:`plan_layout` checked it, and it is hashable.
-
-    Attributes:
-        units: the planned units.
-        owner: for every parameter name (all aliases), the label of the unit that owns it
-            (``"<replicated>"`` for the replicated ones).
-        replicated: kept, frozen parameters that no unit can isolate: left out of FSDP2
-            (``ignored_params``), so every rank holds them whole, in FP32, never cast.
-        forward_methods: for each module of a unit, the methods other than ``forward`` FSDP2
-            gathers the unit around (:mod:`fp32keep.gathered`): collectives, like forward.
-        keeps: how the kept parameters stay FP32: ``"units"``, in kept units of their own
-            sharded without the caller's ``param_dtype``; ``"policy"``, inside the caller's own
-            units, by the policy's ``param_dtype_override_fn`` (:mod:`fp32keep.keep_policy`).
-        why: why :func:`fp32keep.apply_fsdp2` chose ``keeps`` (empty where nobody chose).
-    """
-
-    units: tuple[Unit, ...]
-    owner: Mapping[str, str]
-    replicated: tuple[str, ...] = ()
-    forward_methods: Mapping[str, tuple[str, ...]] = field(default_factory=FrozenMapping)
-    keeps: Literal["units", "policy"] = "units"
-    why: str = ""
-
-    def __post_init__(self) -> None:
-        freeze = object.__setattr__
-        freeze(self, "units", tuple(self.units))
-        freeze(self, "owner", FrozenMapping(self.owner))
-        freeze(self, "replicated", tuple(self.replicated))
-        methods = FrozenMapping((fqn, tuple(names)) for fqn, names in self.forward_methods.items())
-        freeze(self, "forward_methods", methods)
-
-    def describe(self) -> str:
-        """A readable list of units in sharding order."""
-        lines = [
-            f"{unit.kind:<10} {unit.label}"
-            + (" (stays gathered from forward to backward)" if unit.stays_gathered else "")
-            + "".join(
-                f"; gathered around {fqn or '<root>'}.{method}"
-                for fqn in unit.module_fqns
-                for method in self.forward_methods.get(fqn, ())
-            )
-            for unit in self.units
-        ]
-        lines += [f"{'replicated':<10} {name}" for name in self.replicated]
-        if self.why:
-            how = "in kept units" if self.keeps == "units" else "by the policy's override"
-            lines.insert(0, f"kept parameters stay FP32 {how}: {self.why}")
-        return "\n".join(lines)
 
 
 def _depth(fqn: str) -> int:
@@ -195,7 +111,7 @@ def plan_layout(
 ) -> Layout:
     """Decide the units that keep ``plan`` under FSDP2, or raise with every reason it cannot.
 
-    Kept units are chosen by :func:`fp32keep.kept_units.kept_modules`: topmost fully kept
+    Kept units are chosen by :func:`fp32keep.layout.kept.kept_modules`: topmost fully kept
     modules, wrap targets nested inside them (never grouped), and owners of only kept, trainable
     parameters with children that are not kept (never grouped; their children become standard
     units). A kept module an ancestor reads without calling it is never a unit: frozen, it is
@@ -205,7 +121,7 @@ def plan_layout(
     (:mod:`fp32keep.uses.source`); with ``observed``, a kept parameter used while no module of its
     unit runs is refused too (``read-not-called``), and so, observed or from the source, is any
     parameter of a unit fp32keep makes that code outside the unit uses
-    (:mod:`fp32keep.unit_reach`).
+    (:mod:`fp32keep.layout.reach`).
 
     Args:
         model: the unsharded model, already cast (kept tensors FP32).

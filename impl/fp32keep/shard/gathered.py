@@ -2,7 +2,7 @@
 so that a nested call gathers once.
 
 Which methods (:func:`methods_to_gather`): from an observation where one was made
-(:meth:`fp32keep.observe.ParameterUse.coverage`: the methods that ran a unit's parameters while
+(:meth:`fp32keep.uses.observe.ParameterUse.coverage`: the methods that ran a unit's parameters while
 no module of the unit was called); without one, none: whether a method runs a unit's
 parameters only a run says (the source fallback warns where an ancestor calls one,
 :func:`fp32keep.uses.source.unseen_uses`). Both
@@ -33,9 +33,9 @@ from typing import Any
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from fp32keep import fsdp_hooks
+from fp32keep._torch import fsdp_hooks
 from fp32keep.errors import Fp32KeepTypeError, hidden_in_tracebacks
-from fp32keep.observe import ParameterUse, UnitMembers
+from fp32keep.uses.observe import ParameterUse, UnitMembers
 
 #: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
 __tracebackhide__ = hidden_in_tracebacks

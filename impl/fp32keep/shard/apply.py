@@ -24,17 +24,18 @@ from fp32keep.errors import (
     SourceFallbackWarning,
     hidden_in_tracebacks,
 )
-from fp32keep.gathered import register_gathered_methods
-from fp32keep.keep_policy import KeepBy, choose_keeping, keep_policy, reduces_below_fp32
-from fp32keep.layout import KeptGrouping, Layout, plan_layout
-from fp32keep.observe import ParameterUse
-from fp32keep.plan import KeepPlan, resolve_keep_plan
-from fp32keep.plan_use import check_plan_fits, check_plan_for_policy, storage_dtype
+from fp32keep.layout.planning import KeptGrouping, plan_layout
+from fp32keep.layout.targets import WrapSpec, check_wrap
+from fp32keep.layout.units import Layout
+from fp32keep.plan.keep_plan import KeepPlan, resolve_keep_plan
+from fp32keep.plan.use import check_plan_fits, check_plan_for_policy, storage_dtype
+from fp32keep.shard.gathered import register_gathered_methods
+from fp32keep.shard.keep_policy import KeepBy, choose_keeping, keep_policy, reduces_below_fp32
 from fp32keep.tensors import check_float_dtype, check_module, dtype_name, is_castable_float
 from fp32keep.uses.agree import agreed_observation as agreed_observation  # its home before
 from fp32keep.uses.agree import observation_refusal as observation_refusal  # the uses/ split
+from fp32keep.uses.observe import ParameterUse
 from fp32keep.uses.source import unseen_uses
-from fp32keep.wrap_targets import WrapSpec, check_wrap
 
 #: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
 __tracebackhide__ = hidden_in_tracebacks
@@ -162,8 +163,8 @@ def apply_fsdp2(
     FSDP2 would never all-gather it); a trainable one goes with its reader's kept unit where the
     reader is its parent and owns only kept parameters, else it is refused
     (``read-not-called``). The methods other than ``forward`` that run a unit's parameters
-    (``tokenizer.encode(...)``) are registered (:mod:`fp32keep.gathered`), so FSDP2 gathers the
-    unit around them too, outermost call only. Both are observed: apply_fsdp2 runs one forward
+    (``tokenizer.encode(...)``) are registered (:mod:`fp32keep.shard.gathered`), so FSDP2 gathers
+    the unit around them too, outermost call only. Both are observed: apply_fsdp2 runs one forward
     of the unsharded model on ``example_inputs`` (or takes the caller's ``observed``). Without
     either, reads are taken from the source of the ancestors' classes (one syntax-tree rule,
     :mod:`fp32keep.uses.source`), no method is registered, and a
@@ -216,7 +217,7 @@ def apply_fsdp2(
             ``param_dtype`` is fp16 or bf16 and the plan was resolved for neither it nor the
             low-precision dtype the model is stored in (a plan for the storage dtype is what
             ``from_pretrained`` applies, whatever the compute dtype); a ``param_dtype`` of
-            ``None`` or FP32 accepts any plan (:func:`fp32keep.plan_use.check_plan_for_policy`).
+            ``None`` or FP32 accepts any plan (:func:`fp32keep.plan.use.check_plan_for_policy`).
             Nothing sharded.
         Fp32KeepValueError: ``keep_by`` is not one of ``"auto"``, ``"units"``, ``"policy"``,
             or is ``"policy"`` where the policy cannot keep the plan (nothing sharded).

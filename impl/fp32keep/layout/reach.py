@@ -11,7 +11,7 @@ be sharded, then fail at its first forward with ``mixed torch.Tensor and DTensor
 layout is refused before anything is sharded (``read-not-called``), naming the parameter, its
 module and unit, the reader and what it reads.
 
-What ran is best observed (:meth:`fp32keep.observe.ParameterUse.coverage`: a parameter used
+What ran is best observed (:meth:`fp32keep.uses.observe.ParameterUse.coverage`: a parameter used
 while no module of its unit ran); without an observation the source is read
 (:func:`fp32keep.uses.source.uses_from_outside`: ``self.PATH.TENSOR`` and ``self.PATH(...)`` in
 the methods of the unit's ancestors outside it). The source cannot see a read or a call it does
@@ -19,26 +19,22 @@ not spell through ``self`` (see :mod:`fp32keep.uses.source`); the observation ca
 
 The caller's own units (its wrap targets, the root with its policy) are left as they were: a
 read there fails the same under a plain ``fully_shard`` of the same units, and kept parameters
-used outside any unit are refused by :func:`fp32keep.layout.plan_layout` already.
+used outside any unit are refused by :func:`fp32keep.layout.planning.plan_layout` already.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING
 
 from torch import nn
 
-from fp32keep.errors import LayoutProblem
-from fp32keep.layout_problems import outside_use_problem, uncovered_problem
-from fp32keep.observe import CALL, ParameterUse, Stack, UnitMembers, format_stack
-from fp32keep.plan import KeepPlan
+from fp32keep.errors import LayoutProblem, hidden_in_tracebacks
+from fp32keep.layout.problems import outside_use_problem, uncovered_problem
+from fp32keep.layout.units import Unit
+from fp32keep.plan.keep_plan import KeepPlan
 from fp32keep.tensors import dtype_name
+from fp32keep.uses.observe import CALL, ParameterUse, Stack, UnitMembers, format_stack
 from fp32keep.uses.source import DirectRead, uses_from_outside
-
-if TYPE_CHECKING:  # pragma: no cover - typing only: layout imports this module
-    from fp32keep.layout import Unit
-from fp32keep.errors import hidden_in_tracebacks
 
 #: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
 __tracebackhide__ = hidden_in_tracebacks
@@ -82,7 +78,7 @@ def outside_uses(
     only), and any of a unit fp32keep made (observed, else read from the source): every unit
     but the caller's, its wrap targets (``callers``, one module each) and the root with its
     policy. ``members`` are the units' modules and parameters, ``owners`` the FP32 owner units
-    (:class:`fp32keep.kept_units.KeptSelection`), ``refused`` names parameters already refused
+    (:class:`fp32keep.layout.kept.KeptSelection`), ``refused`` names parameters already refused
     for another reason."""
     low = dtype_name(plan.dtype)
     made = {

@@ -12,7 +12,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from fp32keep.compat import (
+from fp32keep.errors import KeepDeclarationError, hidden_in_tracebacks
+from fp32keep.frozen import FrozenMapping
+from fp32keep.plan.compat import (
     LOW_PRECISION_DTYPES,
     REGULAR_ATTR,
     STRICT_ATTR,
@@ -21,9 +23,7 @@ from fp32keep.compat import (
     installed_semantics,
     semantics_for,
 )
-from fp32keep.constructed import Construction, constructed_fp32, constructed_matches
-from fp32keep.errors import KeepDeclarationError, hidden_in_tracebacks
-from fp32keep.frozen import FrozenMapping
+from fp32keep.plan.constructed import Construction, constructed_fp32, constructed_matches
 from fp32keep.reprs import dataclass_repr
 from fp32keep.tensors import (
     TensorSlot,
@@ -52,7 +52,7 @@ class KeepMatch:
         list_kind: ``"regular"`` (``_keep_in_fp32_modules``), ``"strict"``
             (``_keep_in_fp32_modules_strict``) or ``"constructed"`` (in no list, but built in
             FP32 by the model code when ``from_pretrained`` constructs the model at the dtype,
-            so it loads FP32; :mod:`fp32keep.constructed`).
+            so it loads FP32; :mod:`fp32keep.plan.constructed`).
         via_alias: for a tied tensor kept because another of its names matched, that name.
     """
 
@@ -328,7 +328,7 @@ def resolve_keep_plan(
     """Decide which floating tensors of ``model`` stay in FP32 when it runs in ``dtype``.
 
     Applies one Transformers version's own rules (dtype gates, match rule, entry validation,
-    nested declarations, tuple/set declarations; see :mod:`fp32keep.compat`) to the
+    nested declarations, tuple/set declarations; see :mod:`fp32keep.plan.compat`) to the
     ``_keep_in_fp32_modules`` and ``_keep_in_fp32_modules_strict`` declarations.
 
     Where the declarations are read:
@@ -359,7 +359,7 @@ def resolve_keep_plan(
     model the declarations are read from is rebuilt from its config on the meta device, under
     ``dtype`` as the installed ``from_pretrained`` builds it, and every floating parameter or
     persistent buffer that comes out FP32 is kept (``list_kind="constructed"``), since loading
-    leaves it FP32 (:mod:`fp32keep.constructed`; cached per class, config and dtype). A model
+    leaves it FP32 (:mod:`fp32keep.plan.constructed`; cached per class, config and dtype). A model
     without a config, or whose rebuild fails, adds nothing and says so in ``unobserved``.
 
     Only floating tensors are kept (integer buffers are never touched, unlike 5.x loading, which

@@ -1,6 +1,6 @@
 """The FSDP2 internals the library calls, in one place: a unit's forward pre- and post-hook.
 
-:mod:`fp32keep.gathered` runs a unit's forward hooks around a method other than ``forward``
+:mod:`fp32keep.shard.gathered` runs a unit's forward hooks around a method other than ``forward``
 (all-gather before, reshard and the pre-backward hook after), as torch's own
 ``register_fsdp_forward_method`` does, but only for the outermost of nested calls. torch has no
 public API for running those hooks, so this module reads FSDP2's private state, and nothing else
@@ -66,7 +66,7 @@ their dates and counts: bench/RESULTS.md, "The FSDP2 shims on the PyTorch axis")
 
 
 class FsdpHooksError(Fp32KeepRuntimeError):
-    """FSDP2's private state no longer has the shape :mod:`fp32keep.fsdp_hooks` calls."""
+    """FSDP2's private state no longer has the shape :mod:`fp32keep._torch.fsdp_hooks` calls."""
 
 
 def _private(owner: object, name: str, what: str) -> Any:

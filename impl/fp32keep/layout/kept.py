@@ -1,9 +1,10 @@
-"""Which modules become kept units: the selection behind :func:`fp32keep.layout.plan_layout`. Pure.
+"""Which modules become kept units: the selection behind
+:func:`fp32keep.layout.planning.plan_layout`. Pure.
 
 Kept units are chosen from the module tree and the plan: the topmost fully kept modules with a
 forward, wrap targets nested inside them, owners of only kept parameters that have children
 that are not kept, and never a module an ancestor reads without calling it (observed,
-:meth:`fp32keep.observe.ParameterUse.direct_read`, or else read from the source,
+:meth:`fp32keep.uses.observe.ParameterUse.direct_read`, or else read from the source,
 :func:`fp32keep.uses.source.find_direct_read`). Such a read module goes with its reader
 instead where the reader is its parent and owns no parameter that is not kept: the reader
 becomes an owner unit (its children that are not kept get units of their own first), so FSDP2
@@ -22,7 +23,7 @@ from typing import TypeAlias
 from torch import nn
 
 from fp32keep.errors import hidden_in_tracebacks
-from fp32keep.plan import KeepPlan
+from fp32keep.plan.keep_plan import KeepPlan
 from fp32keep.tensors import dtype_name, is_castable_float, iter_owned, join
 from fp32keep.uses.source import DirectRead
 
@@ -107,62 +108,86 @@ def kept_modules(
     ``below`` is :func:`float_param_names`; ``is_target`` says which modules are wrap targets;
     ``find_read`` who reads a module without calling it (observed, or from the source).
     """
-    found = KeptSelection()
     if not plan.param_names:
-        return found
-    direct = _direct_float_params(model)
+        return KeptSelection()
+    return _KeptSelector(model, plan, below, is_target, find_read).select()
 
-    def fully_kept(fqn: str) -> bool:
-        names = below.get(fqn, [])
-        return bool(names) and all(name in plan.param_names for name in names)
 
-    trainable = {
-        name
-        for name, param in model.named_parameters(remove_duplicate=False)
-        if param.requires_grad
-    }
+class _KeptSelector:
+    """One walk of the module tree that fills a :class:`KeptSelection`: the questions it asks of
+    a module (fully kept? owns only kept parameters? read without being called?) and what it
+    adds for each answer."""
 
-    def owns_only_kept(fqn: str, module: nn.Module) -> bool:
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: KeepPlan,
+        below: dict[str, list[str]],
+        is_target: Callable[[nn.Module], bool],
+        find_read: ReadFinder,
+    ) -> None:
+        self.model = model
+        self.plan = plan
+        self.below = below
+        self.is_target = is_target
+        self.find_read = find_read
+        self.direct = _direct_float_params(model)
+        self.trainable = {
+            name
+            for name, param in model.named_parameters(remove_duplicate=False)
+            if param.requires_grad
+        }
+        self.found = KeptSelection()
+
+    def select(self) -> KeptSelection:
+        self.visit("", self.model)
+        return self.found
+
+    def fully_kept(self, fqn: str) -> bool:
+        names = self.below.get(fqn, [])
+        return bool(names) and all(name in self.plan.param_names for name in names)
+
+    def owns_only_kept(self, fqn: str, module: nn.Module) -> bool:
         # Only trainable ones: frozen kept parameters of such a module (a router's correction
         # bias) stay replicated, whole on every rank, which costs no collective at all. The root
         # too (Blip2's query_tokens): its children then get units, and it is sharded last.
-        names = direct.get(fqn, [])
+        names = self.direct.get(fqn, [])
         return (
             bool(names)
             and has_own_forward(module)
-            and all(name in plan.param_names for name in names)
-            and any(name in trainable for name in names)
-            and not fully_kept(fqn)
+            and all(name in self.plan.param_names for name in names)
+            and any(name in self.trainable for name in names)
+            and not self.fully_kept(fqn)
         )
 
-    def callable_descendants(fqn: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
+    def callable_descendants(self, fqn: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
         if has_own_forward(module):
             return [(fqn, module)]
         out: list[tuple[str, nn.Module]] = []
         for child_name, child in module.named_children():
             child_fqn = join(fqn, child_name)
-            if below.get(child_fqn):
-                out.extend(callable_descendants(child_fqn, child))
+            if self.below.get(child_fqn):
+                out.extend(self.callable_descendants(child_fqn, child))
         return out
 
-    def owner_children(fqn: str, module: nn.Module) -> list[str]:
+    def owner_children(self, fqn: str, module: nn.Module) -> list[str]:
         out: list[str] = []
         for child_name, child in module.named_children():
             child_fqn = join(fqn, child_name)
-            if below.get(child_fqn) and not fully_kept(child_fqn):
+            if self.below.get(child_fqn) and not self.fully_kept(child_fqn):
                 out.extend(
                     unit_fqn
-                    for unit_fqn, unit_module in callable_descendants(child_fqn, child)
-                    if not fully_kept(unit_fqn)
-                    and not is_target(unit_module)
-                    and not owns_only_kept(unit_fqn, unit_module)
+                    for unit_fqn, unit_module in self.callable_descendants(child_fqn, child)
+                    if not self.fully_kept(unit_fqn)
+                    and not self.is_target(unit_module)
+                    and not self.owns_only_kept(unit_fqn, unit_module)
                 )
         return out
 
-    def add_owner_children(fqn: str, module: nn.Module) -> None:
-        found.owner_children.extend(owner_children(fqn, module))
+    def add_owner_children(self, fqn: str, module: nn.Module) -> None:
+        self.found.owner_children.extend(self.owner_children(fqn, module))
 
-    def reader_obstacle(read: DirectRead) -> str | None:
+    def reader_obstacle(self, read: DirectRead) -> str | None:
         # The reader's own unit can all-gather the read tensors only if it claims nothing else
         # that is not kept: it must be the read module's parent (a module between them would
         # give its own parameters to the reader's unit) and own no parameter the plan does
@@ -173,10 +198,10 @@ def kept_modules(
         where = f"its reader {reader!r} ({read.reader})"
         if read.module_fqn.rpartition(".")[0] != reader:
             return f"{where} is not its parent"
-        reader_module = model.get_submodule(reader)
+        reader_module = self.model.get_submodule(reader)
         if not has_own_forward(reader_module):
             return f"{where} has no forward of its own"
-        others = [name for name in direct.get(reader, []) if name not in plan.param_names]
+        others = [name for name in self.direct.get(reader, []) if name not in self.plan.param_names]
         if others:
             params = dict(reader_module.named_parameters(prefix=reader, recurse=False))
             shown = ", ".join(
@@ -189,68 +214,75 @@ def kept_modules(
             )
         return None
 
-    def keep(fqn: str, module: nn.Module, into: list[str]) -> bool:
-        read = find_read(model, fqn)
+    def keep(self, fqn: str, module: nn.Module, into: list[str]) -> bool:
+        """Add ``fqn`` to ``into`` unless an ancestor reads it without calling it; then its
+        reader owns it where it can, else the read is recorded. Whether it was added."""
+        read = self.find_read(self.model, fqn)
         if read is None:
             into.append(fqn)
             return True
         names = [name for name, _ in module.named_parameters(prefix=fqn)]
-        if not any(name in trainable for name in names):
-            found.read_directly.append(read)  # frozen: replicated, no collective at all
+        if not any(name in self.trainable for name in names):
+            self.found.read_directly.append(read)  # frozen: replicated, no collective at all
             return False
-        obstacle = reader_obstacle(read)
+        obstacle = self.reader_obstacle(read)
         if obstacle is not None:
-            found.reader_obstacles[fqn] = obstacle
-            found.read_directly.append(read)
-        elif read.reader_fqn not in found.owners:
-            found.owners.append(read.reader_fqn)
-            add_owner_children(read.reader_fqn, model.get_submodule(read.reader_fqn))
+            self.found.reader_obstacles[fqn] = obstacle
+            self.found.read_directly.append(read)
+        elif read.reader_fqn not in self.found.owners:
+            self.found.owners.append(read.reader_fqn)
+            self.add_owner_children(read.reader_fqn, self.model.get_submodule(read.reader_fqn))
         return False
 
-    def add_root_owner() -> None:
+    def add_root_owner(self) -> None:
         # Everything but the root's own (kept) parameters must leave the root's FP32 unit: each
         # child gets a unit, and so does the input embedding the root calls itself
         # (``self.get_input_embeddings()(input_ids)``), which would otherwise be gathered only
         # in its parent's forward, after the root already used it.
-        children = owner_children("", model)
+        model = self.model
+        children = self.owner_children("", model)
         embedding = root_called_embedding(model)
         if (
             embedding is None
             or embedding in children
-            or is_target(model.get_submodule(embedding))  # a unit already
-            or any(fully_kept(fqn) for fqn in _self_and_ancestors(embedding))
+            or self.is_target(model.get_submodule(embedding))  # a unit already
+            or any(self.fully_kept(fqn) for fqn in _self_and_ancestors(embedding))
         ):
             embedding = None
         else:
             children.append(embedding)
-        found.root_obstacle = root_obstacle(model, children, find_read, embedding)
-        if found.root_obstacle is None:
-            found.owners.append("")
-            found.owner_children.extend(children)
+        self.found.root_obstacle = root_obstacle(model, children, self.find_read, embedding)
+        if self.found.root_obstacle is None:
+            self.found.owners.append("")
+            self.found.owner_children.extend(children)
 
-    def visit(fqn: str, module: nn.Module) -> None:
-        if fully_kept(fqn):
-            for unit_fqn, unit_module in callable_descendants(fqn, module):
-                if keep(unit_fqn, unit_module, found.top):
-                    nest(unit_fqn, unit_module)
+    def visit(self, fqn: str, module: nn.Module) -> None:
+        if self.fully_kept(fqn):
+            for unit_fqn, unit_module in self.callable_descendants(fqn, module):
+                if self.keep(unit_fqn, unit_module, self.found.top):
+                    self.nest(unit_fqn, unit_module)
             return
         if not fqn:
-            if owns_only_kept(fqn, module):
-                add_root_owner()
+            if self.owns_only_kept(fqn, module):
+                self.add_root_owner()
             else:  # the refusal, where one is due, says which condition failed
-                found.root_obstacle = _root_not_owner(module, direct.get("", []), plan)
-        elif owns_only_kept(fqn, module) and keep(fqn, module, found.owners):
-            add_owner_children(fqn, module)
+                direct = self.direct.get("", [])
+                self.found.root_obstacle = _root_not_owner(module, direct, self.plan)
+        elif self.owns_only_kept(fqn, module) and self.keep(fqn, module, self.found.owners):
+            self.add_owner_children(fqn, module)
         for child_name, child in module.named_children():
-            visit(join(fqn, child_name), child)
+            self.visit(join(fqn, child_name), child)
 
-    def nest(fqn: str, module: nn.Module) -> None:
+    def nest(self, fqn: str, module: nn.Module) -> None:
+        """Wrap targets inside a kept unit: kept units of their own, nested."""
         for name, inner in module.named_modules(prefix=fqn):
-            if name != fqn and below.get(name) and is_target(inner) and has_own_forward(inner):
-                keep(name, inner, found.nested)
-
-    visit("", model)
-    return found
+            if (
+                name != fqn
+                and self.below.get(name)
+                and self.is_target(inner)
+                and has_own_forward(inner)
+            ):
+                self.keep(name, inner, self.found.nested)
 
 
 def root_called_embedding(model: nn.Module) -> str | None:

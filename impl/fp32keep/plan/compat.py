@@ -20,7 +20,7 @@ to diff this file against that page:
 In every group ``from_pretrained`` builds the model under the load dtype and loads each tensor into
 the dtype it was built with, so a parameter or persistent buffer the model code builds with an
 explicit ``dtype=torch.float32`` stays FP32 though no list names it (measured on 4.56.2, 5.0.0,
-5.10.4 and 5.24.0; :mod:`fp32keep.constructed` observes it).
+5.10.4 and 5.24.0; :mod:`fp32keep.plan.constructed` observes it).
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ from typing import Literal, Protocol, TypeVar
 from torch import nn
 
 from fp32keep.errors import hidden_in_tracebacks
-from fp32keep.kept_units import has_own_forward
-from fp32keep.plan import KeepPlan
+from fp32keep.layout.kept import has_own_forward
+from fp32keep.plan.keep_plan import KeepPlan
 from fp32keep.tensors import iter_owned
 
 #: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
@@ -70,7 +70,7 @@ def tie_groups(
         unit_modules: for every module that is a unit's module, that unit's kind and modules.
         innermost: the index of the innermost unit around a module FQN.
         below: for every module FQN, the floating parameter names (all aliases) in its subtree
-            (:func:`fp32keep.kept_units.float_param_names`).
+            (:func:`fp32keep.layout.kept.float_param_names`).
     """
     owners: dict[int, dict[int, str]] = defaultdict(dict)
     names: dict[int, list[str]] = defaultdict(list)

@@ -1,5 +1,5 @@
-"""What a refusal of :func:`fp32keep.layout.plan_layout` says: the true reason, with the dtypes
-and the fix. Pure.
+"""What a refusal of :func:`fp32keep.layout.planning.plan_layout` says: the true reason, with the
+dtypes and the fix. Pure.
 
 Dtypes are spelled as torch prints them (:func:`fp32keep.tensors.dtype_name`), and the phrases
 tools written for verl's keep-FP32 path match (verl PR 7165: "tied across FSDP2 unit
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from fp32keep.errors import LayoutProblem, hidden_in_tracebacks
-from fp32keep.observe import Stack, format_stack
 from fp32keep.tensors import dtype_name
+from fp32keep.uses.observe import Stack, format_stack
 from fp32keep.uses.source import DirectRead
 
 #: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
