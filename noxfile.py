@@ -11,7 +11,8 @@
 - ``bench``: ``bench/run_all.py``, which writes ``bench/RESULTS.md``.
 - ``matrix-report``: renders ``docs/matrix.md`` from the recorded runs.
 - ``families``: ``fp32keep check --all-families`` on the ``[families]`` Transformers labels of
-  ``ci/matrix.toml``, and the plan oracle over every family; writes ``docs/families.md``.
+  ``ci/matrix.toml``, and the plan oracle over every family, then the ``fp32_masters`` run (FP32
+  master weights on torch 2.15); writes ``docs/families.md``.
 - ``keep-policy``: the policy path (torch 2.15's ``param_dtype_override_fn``) on torch 2.15,
   with the machine's pip constraint lifted for that session.
 - ``frameworks``: accelerate's and Transformers' own FSDP2 under the contract
@@ -356,23 +357,62 @@ def bench(session: nox.Session) -> None:
 
 FAMILIES = read_toml(ROOT / "ci" / "matrix.toml")["families"]
 """``ci/matrix.toml``'s ``[families]``: Transformers labels, dtypes and ranks of ``families``."""
+FP32_MASTERS = "fp32-masters"
+"""``nox -s families -- fp32-masters``: the ``[families] fp32_masters`` run (alone, or beside the
+labels given)."""
+
+
+def _check_all_families(session: nox.Session, report: Path, *options: str) -> dict[str, str]:
+    """``fp32keep check --all-families`` at the [families] dtypes and ranks into ``report``;
+    the versions it ran under (a failing or refused family is a row, not a failed session)."""
+    session.run(
+        *("fp32keep", "check", "--all-families", "--dtype", ",".join(FAMILIES["dtypes"])),
+        *("--nproc", str(FAMILIES["nproc"]), "--timeout", str(FAMILIES["timeout_s"])),
+        *options,
+        *("--report-json", str(report)),
+        success_codes=[0, 1],  # 1: some family failed or was refused, a row of the table
+    )
+    versions: dict[str, str] = json.loads(report.read_text(encoding="utf-8"))["versions"]
+    return versions
+
+
+def _families_fp32_masters(session: nox.Session, pin: TransformersPin, out: Path) -> Path:
+    """The [families] fp32_masters run: ``--master-dtype fp32`` under its torch and ``pin``, last
+    in the session's venv, with every pip constraint lifted as in ``keep-policy``; its report."""
+    torch = TorchPin(FAMILIES["fp32_masters"]["torch"])
+    report = out / f"{pin.label}-{FP32_MASTERS}.json"
+    report.unlink(missing_ok=True)  # a run that dies must not leave an older one in the table
+    session.env["PIP_CONSTRAINT"] = os.devnull  # a machine may cap torch below it (2.14.1 here)
+    install_stack(session, torch, pin)
+    ran = _check_all_families(session, report, "--master-dtype", "fp32")
+    for dist, wanted in (("torch", torch), ("transformers", pin)):
+        if not _satisfied(ran[dist], wanted.specifier or ">=0"):  # -R / --no-install
+            session.error(f"{report.name} ran under {dist} {ran[dist]}, not {wanted.requirement}")
+    return report
 
 
 @nox.session(python=PYTHON, default=False)
 def families(session: nox.Session) -> None:
-    """Under each [families] label of ci/matrix.toml, fp32keep check --all-families and then the
-    plan oracle; writes docs/families.md.
+    """Per [families] label check --all-families and the plan oracle, then the fp32_masters run.
+
+    Writes docs/families.md.
 
     One venv, one Transformers after the other. The check's JSON report goes to
     ``build/families/LABEL.json``, the oracle's JUnit XML (``tests/test_families.py`` with
-    ``--slow``, same Transformers) to ``build/families/oracle-LABEL.xml``. A family
-    that fails or is refused is a table row; a failing oracle fails the session once the table is
-    written. ``nox -s families -- 5.10`` runs only the labels given (the others: ``not yet run``).
+    ``--slow``, same Transformers) to ``build/families/oracle-LABEL.xml``. Then, under FP32 master
+    weights on its own torch (installed last), ``build/families/LABEL-fp32-masters.json``: the
+    page's "FP32 master weights" section. A family that fails or is refused is a table row; a
+    failing oracle fails the session once the table is written. ``nox -s families -- 5.10``
+    runs only the labels given, ``-- fp32-masters`` the masters run (the others: ``not yet run``).
     """
     pins = {pin.label: pin for pin in MATRIX.transformers}
-    labels = list(session.posargs or FAMILIES["transformers"])
+    asked = list(session.posargs or [*FAMILIES["transformers"], FP32_MASTERS])
+    labels = [label for label in asked if label != FP32_MASTERS]
     if unknown := [label for label in labels if label not in pins]:
-        session.error(f"no Transformers label {unknown} in ci/matrix.toml; known: {sorted(pins)}")
+        session.error(
+            f"no Transformers label {unknown} in ci/matrix.toml; known: {sorted(pins)}, "
+            f"or {FP32_MASTERS!r} for the [families] fp32_masters run"
+        )
     out = ROOT / "build" / "families"
     out.mkdir(parents=True, exist_ok=True)
     session.install(*FAMILIES["extra_requirements"])  # what some families need to be built
@@ -386,13 +426,7 @@ def families(session: nox.Session) -> None:
         times = [time.monotonic()]
         install_stack(session, MATRIX.torch, pin)
         times.append(time.monotonic())
-        session.run(
-            *("fp32keep", "check", "--all-families", "--dtype", ",".join(FAMILIES["dtypes"])),
-            *("--nproc", str(FAMILIES["nproc"]), "--timeout", str(FAMILIES["timeout_s"])),
-            *("--report-json", str(report)),
-            success_codes=[0, 1],  # 1: some family failed or was refused, a row of the table
-        )
-        ran = json.loads(report.read_text(encoding="utf-8"))["versions"]["transformers"]
+        ran = _check_all_families(session, report)["transformers"]
         if not _satisfied(ran, pin.specifier or ">=0"):  # -R / --no-install skip the switch
             session.error(f"{report.name} ran under transformers {ran}, not {pin.requirement}")
         times.append(time.monotonic())
@@ -410,9 +444,16 @@ def families(session: nox.Session) -> None:
         session.log(f"families {label}: install {install} s, check {check} s, oracle {oracle} s")
         reports.append(str(report))
         oracles += [f"--oracle={junit}"] if junit.is_file() else []
+    masters = pins[FAMILIES["fp32_masters"]["transformers"]]
+    if FP32_MASTERS in asked:
+        reports.append(str(_families_fp32_masters(session, masters, out)))
     table = ("pytest_fp32keep.check.families.table", "--output", "docs/families.md")
     versions = ",".join(FAMILIES["transformers"])
-    session.run("python", "-m", *table, "--versions", versions, *oracles, *reports)
+    session.run(
+        *("python", "-m", *table, "--versions", versions, "--master-versions", masters.label),
+        *oracles,
+        *reports,
+    )
     if failed:
         session.error(
             f"tests/test_families.py failed at {', '.join(failed)}: pytest's output above names "

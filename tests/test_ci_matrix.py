@@ -343,14 +343,28 @@ def test_families_workflow_runs_the_session_and_keeps_what_it_writes(
 ) -> None:
     """families.yml: weekly and by hand, ``nox -s families``; the page and build/families/ (the
     reports and the oracle's JUnit XML) uploaded also when the session fails; a job timeout that
-    outlasts every label's check timeout plus 10 minutes per label (install, oracle), and stays
-    within GitHub's 360-minute limit for hosted runners."""
+    outlasts every run's check timeout plus 10 minutes per run (install, oracle): one per label
+    and the FP32-masters run, and stays within GitHub's 360-minute limit for hosted runners."""
     job = _scheduled_session_job(
         workflows["families"], "families", {"docs/families.md", "build/families/"}
     )
     families = read_toml(MATRIX_PATH)["families"]
-    needed = len(families["transformers"]) * (families["timeout_s"] / 60 + 10)
+    runs = len(families["transformers"]) + 1  # + fp32_masters
+    needed = runs * (families["timeout_s"] / 60 + 10)
     assert needed <= job["timeout-minutes"] <= 360
+
+
+def test_families_fp32_masters_run_is_a_label_on_the_policy_torch(matrix: Matrix) -> None:
+    """[families] fp32_masters names a Transformers label of the matrix and an exact torch that
+    has ``param_dtype_override_fn`` (2.15, the first; a later one is fine), and the ``families``
+    session says it runs it."""
+    masters = read_toml(MATRIX_PATH)["families"]["fp32_masters"]
+    assert set(masters) == {"transformers", "torch"}
+    assert masters["transformers"] in {pin.label for pin in matrix.transformers}
+    torch = TorchPin(masters["torch"])
+    assert not torch.is_newest
+    assert tuple(int(part) for part in torch.version.split(".")[:2]) >= (2, 15)
+    assert "then the fp32_masters run" in _nox_sessions()["families"][1]
 
 
 def test_bench_workflow_runs_the_session_and_keeps_what_it_writes(

@@ -224,6 +224,7 @@ def check(args: argparse.Namespace, usage_error: UsageError) -> int:
         return 1
     result.update(
         nproc=nproc,
+        master_dtype=args.master_dtype,  # the convention judged: docs/families.md sorts by it
         versions=versions(),
         commit=_commit(),
         date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -13,7 +13,9 @@ each unit the policy the contract prescribes (:func:`~.policy.correct_policy`):
 A unit that mixes kept parameters with others (a framework's block holding its kept router) is
 the one part of the layout not repeated as is: no policy of one unit can gather both kinds
 correctly, so the control gives the modules owning the kept ones units of their own inside it
-(:func:`keeping_units`), and kept tensors are judged against units that keep them. Nothing else
+(:func:`keeping_units`), and kept tensors are judged against units that keep them; over FP32
+master weights on torch >= 2.15 one policy can (:func:`keeps_in_mixed_units`): the mixed unit is
+repeated as is, its kept parameters gathered in FP32 by :func:`keeping_override`. Nothing else
 is taken from the implementation, so whatever it does to the numbers beyond its layout (a bf16
 all-gather or reduction of a kept tensor, a wrong scale) shows up as a difference the control
 does not have.
@@ -51,7 +53,9 @@ from pytest_fp32keep.contract.steps import Run, device_of, forward_backward, mas
 __all__ = [
     "Unit",
     "control_run",
+    "keeping_override",
     "keeping_units",
+    "keeps_in_mixed_units",
     "measure_control",
     "sharding_order",
     "unit_layout",
@@ -125,15 +129,63 @@ def unit_layout(model: nn.Module) -> tuple[Unit, ...]:
     return tuple(units)
 
 
+OVERRIDES_PARAM_DTYPE = "param_dtype_override_fn" in {
+    field.name for field in dataclasses.fields(MixedPrecisionPolicy)
+}
+"""Whether this torch has ``MixedPrecisionPolicy(param_dtype_override_fn=...)`` (2.15 added it)."""
+
+
+def keeps_in_mixed_units(master_dtype: torch.dtype | None, policy: MixedPrecisionPolicy) -> bool:
+    """Whether one unit's policy can gather kept parameters in FP32 beside others in
+    ``param_dtype``: over FP32 master weights (FSDP2 wants one original dtype per unit) on a torch
+    with ``param_dtype_override_fn``, under a policy that reduces in 32 bits or more (a kept
+    gradient is not averaged below FP32). The control then keeps a mixed unit as it is, with that
+    override (:func:`keeping_override`), as a correct implementation can."""
+    reduce_dtype = policy.reduce_dtype
+    return (
+        OVERRIDES_PARAM_DTYPE
+        and master_dtype is not None
+        and (reduce_dtype is None or torch.finfo(reduce_dtype).bits >= 32)
+    )
+
+
+def keeping_override(
+    policy: MixedPrecisionPolicy, kept: Sequence[nn.Parameter]
+) -> MixedPrecisionPolicy:
+    """``policy`` with a ``param_dtype_override_fn`` that gathers ``kept`` in FP32 (held by the
+    closure, recognised by identity) and every other parameter as ``policy`` says (its own
+    override's answer, if it has one)."""
+    by_id = {id(param): param for param in kept}
+    callers = getattr(policy, "param_dtype_override_fn", None)
+
+    def override(param: nn.Parameter) -> torch.dtype | None:
+        if id(param) in by_id:
+            return torch.float32
+        return callers(param) if callers is not None else None
+
+    # the field exists on torch >= 2.15 only (OVERRIDES_PARAM_DTYPE), so it is passed by name
+    fields: dict[str, Any] = {"param_dtype_override_fn": override}
+    return dataclasses.replace(policy, **fields)
+
+
 def keeping_units(
-    units: tuple[Unit, ...], model: nn.Module, plan: KeepPlan
+    units: tuple[Unit, ...], model: nn.Module, plan: KeepPlan, *, in_place: bool = False
 ) -> tuple[tuple[Unit, ...], tuple[str, ...]]:
     """``units`` with every kept parameter of a mixed unit moved into a unit of its own: the
     module that owns it, when that module owns nothing else that is floating and is not the
     mixed unit's own module; and the note saying what was moved or could not be.
 
     The new unit sits inside the mixed one (it is sharded first), so the rest of the mixed unit
-    keeps the caller's policy and its place in the layout."""
+    keeps the caller's policy and its place in the layout. With ``in_place``
+    (:func:`keeps_in_mixed_units`) nothing moves: each mixed unit keeps its kept parameters FP32
+    by the override :func:`control_run` gives it."""
+    if in_place:
+        mixed = [u for u in units if {n for n in u.params if n in plan} not in (set(), u.params)]
+        note = (
+            f"the control keeps the kept parameters of {len(mixed)} mixed unit(s) in them, "
+            "gathered in FP32 by torch's param_dtype_override_fn (FP32 master weights)"
+        )
+        return units, (note,) if mixed else ()
     owners: dict[str, list[str]] = {}  # owning module -> its kept parameters (every alias)
     for fqn, module in model.named_modules(remove_duplicate=False):
         own = [
@@ -206,11 +258,13 @@ def _shard_like(
     plan: KeepPlan,
     policy: MixedPrecisionPolicy,
     observed: ParameterUse | None,
+    in_place: bool = False,
 ) -> None:
     """Shard ``model`` into ``units`` (inner units first, so each call manages the same
     parameters as the implementation's did), then check that it did. Each unit is gathered
     around the methods a correct implementation gathers it around (``observed``, else the
-    source: :func:`fp32keep.methods_to_gather`)."""
+    source: :func:`fp32keep.methods_to_gather`); with ``in_place``, a mixed unit gathers its
+    kept parameters in FP32 by :func:`keeping_override`."""
     modules = dict(model.named_modules(remove_duplicate=False))
     parameters = dict(model.named_parameters(remove_duplicate=False))
     managed = set().union(*(unit.params | unit.slots for unit in units)) if units else set()
@@ -219,10 +273,14 @@ def _shard_like(
     tie_back = _untie_across_units(model, units)
     for unit in sharding_order(units):
         targets = [modules[fqn] for fqn in unit.modules]
+        unit_policy = correct_policy(unit.params, plan, policy)
+        kept = [parameters[name] for name in sorted(unit.params) if name in plan]
+        if in_place and kept and len(kept) < len(unit.params):  # a mixed unit
+            unit_policy = keeping_override(unit_policy, kept)
         fully_shard(
             targets if len(targets) > 1 else targets[0],
             mesh=mesh,
-            mp_policy=correct_policy(unit.params, plan, policy),
+            mp_policy=unit_policy,
             reshard_after_forward=unit.reshard_after_forward,
             **options,
         )
@@ -314,7 +372,10 @@ def control_run(
         fp32keep.keep_aware_cast(model, dtype, plan=plan)
     else:
         master_cast(model, dtype, plan)
-    _shard_like(model, units, mesh=mesh, plan=plan, policy=policy, observed=observed)
+    in_place = keeps_in_mixed_units(master_dtype, policy)
+    _shard_like(
+        model, units, mesh=mesh, plan=plan, policy=policy, observed=observed, in_place=in_place
+    )
     set_divide_factor(model.modules(), mesh, divide_factor)
     return forward_backward(
         model, batch, autocast=autocast, device=device, dtype=dtype, loss_fn=loss_fn

@@ -37,6 +37,7 @@ from pytest_fp32keep.contract.control import (
     Unit,
     control_run,
     keeping_units,
+    keeps_in_mixed_units,
     measure_control,
     unit_layout,
 )
@@ -257,7 +258,12 @@ class Steps:
         s, m, expected, observed = self.setup, self.models, self.expected, self.observed
         if expected is None or observed is None:
             return {}
-        control_units, kept_apart = keeping_units(self.units, m.reference, m.plan)
+        control_units, kept_apart = keeping_units(
+            self.units,
+            m.reference,
+            m.plan,
+            in_place=keeps_in_mixed_units(s.master_dtype, s.policy),
+        )
 
         def control() -> ControlMeasure:
             run = functools.partial(

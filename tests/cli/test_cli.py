@@ -740,6 +740,7 @@ def test_reports_hold_every_case_and_the_refusal(
     assert {row["stored"] for row in kept["kept"]} == {"float32"}
     assert data["nproc"] == 2
     assert data["backend"] == "gloo"
+    assert data["master_dtype"] is None  # no --master-dtype: low-precision storage
     assert "2 ranks on gloo (cpu)" in markdown
     assert "stored = dtype at rest; materialized = dtype when all-gathered" in markdown
     written = f"wrote Markdown: {report}\nwrote JSON: {report.with_suffix('.json')}"
@@ -764,3 +765,21 @@ def test_a_model_that_differs_on_rank_1_fails_there_alone(
     assert outcomes[0]["ok"] is True and outcomes[0]["outcome"] == "pass"
     assert outcomes[1]["outcome"] == "fail" and outcomes[1]["failed_checks"] == ["round trip"]
     assert [f["ranks"] for f in case["failures"]] == [[1]]
+
+
+@pytest.mark.slow  # one more torchrun; the default tier's file run above checks the null
+def test_the_report_names_the_master_dtype_it_judged(tmp_path: Path) -> None:
+    """``--master-dtype fp32`` is recorded in the JSON report (docs/families.md sorts reports
+    into conventions by it); the run above, without the option, records ``null``."""
+    report = tmp_path / "masters.json"
+    completed = run_cli(
+        "tests.cli.targets:kept_stack",
+        *("--batch", "tests.cli.targets:toy_batch", "--dtype", "fp16", "--master-dtype", "fp32"),
+        *("--report-json", str(report)),
+        cwd=tmp_path,
+        env=_environment(PYTHONPATH=str(ROOT)),
+    )
+    assert report.is_file(), completed.stdout[-3000:] + completed.stderr[-3000:]
+    data = json.loads(report.read_text())
+    assert data["master_dtype"] == "fp32"
+    assert [case["target"] for case in data["cases"]] == ["tests.cli.targets:kept_stack"]

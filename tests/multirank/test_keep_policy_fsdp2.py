@@ -23,6 +23,8 @@ import fp32keep
 from fp32keep import Fp32KeepNotImplementedError, Fp32KeepValueError, KeepLayoutError, KeepPlan
 from fp32keep.shard.keep_policy import OVERRIDE_SUPPORTED
 from pytest_fp32keep import ContractReport, ContractViolation, assert_fp32_keep_contract
+from pytest_fp32keep.check.families import entries
+from pytest_fp32keep.check.families.batches import family_batch
 from pytest_fp32keep.check.zoo import ZOO
 from tests.error_bounds import LIBRARY_BOUND_S, within
 from tests.multirank.test_policies_fsdp2 import _blocks_then_root
@@ -212,3 +214,33 @@ def test_a_mixed_unit_refusal_is_kept_by_policy_over_fp32_masters(mesh: DeviceMe
     assert report.ok and report.kept
     with pytest.raises(KeepLayoutError, match="mixed-unit"):
         contract()
+
+
+@NEEDS_OVERRIDE
+def test_a_kept_parameter_beside_unkept_children_is_judged_in_the_callers_unit(
+    mesh: DeviceMesh,
+) -> None:
+    # OpenAI Privacy Filter's attention owns its kept `sinks` and the projections (not kept) as
+    # children, inside the caller's block. The control cannot give the attention a unit of its
+    # own (fully_shard would take the projections too, a layout nobody made), so over FP32
+    # masters it keeps the block as it is and gathers `sinks` in FP32 by torch's override, as
+    # the policy path does (before, it stopped on a layout it could not reproduce: parity FAIL)
+    build = functools.partial(entries.build_family_model, "openai_privacy_filter")
+    contract = functools.partial(
+        assert_fp32_keep_contract,
+        build,
+        lambda model: family_batch(model, 0),
+        mesh=mesh,
+        dtype=BF16,
+        autocast=True,
+        master_dtype=FP32,
+    )
+    report = contract()
+    assert report.ok and {row.fqn.rpartition(".")[2] for row in report.kept} == {"sinks"}
+    assert any("param_dtype_override_fn" in note for note in report.notes), report.notes
+    # the negative control: the caller's blocks without the override gather `sinks` in bf16
+    with pytest.raises(ContractViolation) as caught:
+        contract(shard=_blocks_then_root)
+    failed = {(f.check, f.subject) for f in caught.value.report.failures}
+    assert any(c == "materialized" and ".sinks (call" in s for c, s in failed), failed
+    assert any(c == "parity" and s.startswith("grad ") and ".sinks" in s for c, s in failed), failed

@@ -7,6 +7,9 @@ trip``, naming exactly those parameters with FP32 expected (kept and frozen ones
 they are); the same family upcast to FP32 masters passes: the negative control that the rows
 fail for the cast, not for the family. Voxtral is the default tier's family; the others are
 ``slow`` (Apertus 1.5 needs Transformers >= 5.24).
+
+Issue 38 asks the same of the families refused over low-precision storage (``mixed-unit``): over
+FP32 masters on torch >= 2.15 they pass (Transformers >= 5.25 has them; they skip elsewhere).
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import fp32keep
-from fp32keep import KeepPlan
+from fp32keep import KeepLayoutError, KeepPlan
 from pytest_fp32keep import ContractReport, ContractViolation, assert_fp32_keep_contract
 from pytest_fp32keep.check.families import entries
 from pytest_fp32keep.check.families.batches import family_batch
 from pytest_fp32keep.contract.steps import CastFn
+from tests.multirank.test_keep_policy_fsdp2 import NEEDS_OVERRIDE
 
 pytestmark = pytest.mark.fsdp2
 
@@ -86,3 +90,30 @@ def test_master_storage_is_judged_on_the_family(name: str, mesh: DeviceMesh) -> 
         assert set(found) == masters, (row, sorted(set(found) ^ masters)[:8])
         assert set(found.values()) == {("float32", "bfloat16")}, row
     assert check(fp32_master).ok  # negative control: the same family with FP32 masters passes
+
+
+@NEEDS_OVERRIDE
+@pytest.mark.parametrize(
+    "name",
+    [
+        family("glm5_next", pytest.mark.slow),
+        family("inkling", pytest.mark.slow),
+        family("kimi_linear", pytest.mark.slow),
+    ],
+)
+def test_a_mixed_unit_family_is_kept_by_policy_over_fp32_masters(
+    name: str, mesh: DeviceMesh
+) -> None:
+    """The families refused over low-precision storage (a kept parameter beside one that is not
+    in one module, ``mixed-unit``; pytest_fp32keep/check/families/refusals.py) pass the whole
+    contract over FP32 masters on torch >= 2.15, where ``apply_fsdp2`` keeps them by policy in
+    the caller's units (``--master-dtype fp32`` in docs/families.md). The negative control: the
+    same family over low-precision storage is still refused, naming the mixed unit."""
+    build = functools.partial(entries.build_family_model, name)
+    contract = functools.partial(
+        assert_fp32_keep_contract, build, batch, mesh=mesh, dtype=BF16, autocast=True
+    )
+    report = contract(master_dtype=FP32)
+    assert report.ok and report.kept
+    with pytest.raises(KeepLayoutError, match=r"\[mixed-unit\]"):
+        contract()

@@ -1,7 +1,8 @@
 """``docs/families.md``: family x Transformers version x dtype, from ``fp32keep check`` reports.
 
     python -m pytest_fp32keep.check.families.table --output docs/families.md \\
-        --versions 4.56,5.10,latest [--oracle JUNIT.xml ...] REPORT.json ...
+        --versions 4.56,5.10,latest [--master-versions latest] [--oracle JUNIT.xml ...] \\
+        REPORT.json ...
 
 Each REPORT is the ``--report-json`` of one ``fp32keep check --all-families`` run (one
 Transformers version; its version is read from the report). A cell is ``pass`` (with how many
@@ -13,6 +14,11 @@ by design: :data:`.overrides.STOCHASTIC`), or ``FAIL (row)`` (the failing
 checks, the error's last line, or how a refusal differs from the written one); ``-`` where that
 version has no such family. A version of ``--versions`` without a report is ``not yet run``:
 nothing is invented.
+
+A report of ``fp32keep check --master-dtype fp32`` (FP32 master weights; the report's
+``master_dtype``) is the other storage convention: it goes to the section "FP32 master weights",
+under its label of ``--master-versions``, with its own runs (torch named), totals, table and
+refusals, and never into the table of low-precision storage.
 
 Each ``--oracle`` is the JUnit XML of one run of the plan oracle (``tests/test_families.py``
 with ``--slow``) under one Transformers version, which the run records as the
@@ -38,6 +44,9 @@ DTYPES = ("bf16", "fp16")
 #: How much of a reason a cell keeps.
 _CELL_CHARS = 140
 KINDS = ("pass", "refused", "not buildable", "not runnable", "FAIL")
+#: A report's ``master_dtype`` under ``--master-dtype fp32`` (FP32 master weights); ``None``: the
+#: parameters that are not kept stored in the low dtype.
+MASTERS = "fp32"
 
 
 def _short(text: str) -> str:
@@ -84,7 +93,9 @@ def first_problem(message: str) -> str:
     return re.sub(r"\s+", " ", line.split(" Fix:")[0]).strip()
 
 
-def _refusal_lines(by_label: dict[str, dict[str, Any]], labels: Sequence[str]) -> list[str]:
+def _refusal_lines(
+    by_label: dict[str, dict[str, Any]], labels: Sequence[str], heading: str = "## Refusals"
+) -> list[str]:
     """The "Refusals" section: per refused family, where (version, dtype), the first problem
     of the refusal and where its expectation is written, with why (or that none is)."""
     found: dict[str, list[tuple[str, dict[str, Any]]]] = {}
@@ -101,7 +112,7 @@ def _refusal_lines(by_label: dict[str, dict[str, Any]], labels: Sequence[str]) -
         return []
     lines = [
         "",
-        "## Refusals",
+        heading,
         "",
         "Each refused family: where (version dtype), the first problem `apply_fsdp2` names (the",
         "tensor, its module and class, the module's own parameters the plan does not keep: FSDP2",
@@ -265,18 +276,101 @@ def _oracle_lines(oracles: Sequence[OracleRun], labels: Sequence[str]) -> list[s
     return lines
 
 
+def _by_label(reports: Sequence[dict[str, Any]], labels: Sequence[str]) -> dict[str, Any]:
+    """Each report under the label its Transformers version belongs to."""
+    return {_label(report["versions"]["transformers"], labels): report for report in reports}
+
+
+def _run_lines(by_label: dict[str, dict[str, Any]], labels: Sequence[str]) -> list[str]:
+    """One line per label: the versions, torch included, the date, commit and wall time."""
+    lines = []
+    for label in labels:
+        found = by_label.get(label)
+        if found is None:
+            lines.append(f"- {label}: not yet run")
+            continue
+        report, versions = found, found["versions"]
+        lines.append(
+            f"- {label}: transformers {versions['transformers']}, torch {versions['torch']}, "
+            f"{report.get('date', '?')}, commit {report.get('commit') or '?'}, "
+            f"{report.get('seconds', '?')} s"
+        )
+    return lines
+
+
+def _grid_lines(
+    by_label: dict[str, dict[str, Any]], labels: Sequence[str], heading: str = "##"
+) -> list[str]:
+    """The totals per label and dtype, then the table of every family of these reports."""
+    cells = {label: report_cells(report) for label, report in by_label.items()}
+    families = sorted({family for table in cells.values() for family, _ in table})
+    columns = [(label, dtype) for label in labels for dtype in DTYPES]
+    lines = ["", f"{heading} Totals", "", "| version | dtype | " + " | ".join(KINDS) + " |"]
+    lines.append("|---|---|" + "---|" * len(KINDS))
+    for label, dtype in columns:
+        if label not in cells:
+            lines.append(
+                f"| {label} | {dtype} | " + " | ".join(["not yet run"] * len(KINDS)) + " |"
+            )
+            continue
+        counts = Counter(kind(cell) for (_, d), cell in cells[label].items() if d == dtype)
+        lines.append(f"| {label} | {dtype} | " + " | ".join(str(counts[k]) for k in KINDS) + " |")
+    lines += ["", f"{heading} Table", ""]
+    lines.append("| family | " + " | ".join(f"{label} {dtype}" for label, dtype in columns) + " |")
+    lines.append("|---|" + "---|" * len(columns))
+    for family in families:
+        row = []
+        for label, dtype in columns:
+            if label not in cells:
+                row.append("not yet run")
+            else:
+                row.append(cells[label].get((family, dtype), "-"))
+        lines.append(f"| {family} | " + " | ".join(row) + " |")
+    return lines
+
+
+def _masters_lines(by_label: dict[str, dict[str, Any]], labels: Sequence[str]) -> list[str]:
+    """The "FP32 master weights" section: its runs (torch named), totals, table and refusals."""
+    lines = [
+        "",
+        "## FP32 master weights",
+        "",
+        "The same families under the other storage convention:",
+        "`fp32keep check --all-families --master-dtype fp32 --dtype bf16,fp16 --nproc 2` stores",
+        "every trainable parameter in FP32 (`fp32keep.upcast_to_fp32_master`) and lets the",
+        "policy's `param_dtype` cast for compute, as accelerate, verl and torchtitan train. On",
+        "torch >= 2.15 `apply_fsdp2` keeps the kept parameters FP32 inside the caller's own units",
+        "(`MixedPrecisionPolicy(param_dtype_override_fn=...)`), so no refusal is expected there:",
+        "a refused cell is a failing case. Each run names its torch.",
+        "",
+        "### Runs",
+        "",
+        *_run_lines(by_label, labels),
+        *_grid_lines(by_label, labels, heading="###"),
+    ]
+    return lines + _refusal_lines(by_label, labels, heading="### Refusals")
+
+
 def render(
     reports: Sequence[dict[str, Any]],
     labels: Sequence[str],
     oracles: Sequence[OracleRun] = (),
+    master_labels: Sequence[str] = (),
 ) -> str:
-    """The whole ``docs/families.md`` (the oracle section only when ``oracles`` are given)."""
-    by_label: dict[str, dict[str, Any]] = {}
-    for report in reports:
-        by_label[_label(report["versions"]["transformers"], labels)] = report
-    cells = {label: report_cells(report) for label, report in by_label.items()}
-    families = sorted({family for table in cells.values() for family, _ in table})
-    columns = [(label, dtype) for label in labels for dtype in DTYPES]
+    """The whole ``docs/families.md`` (the oracle section only when ``oracles`` are given).
+
+    A report of ``--master-dtype fp32`` (its ``master_dtype``) goes to the "FP32 master weights"
+    section, under ``master_labels`` (a label without such a report: ``not yet run``), never to
+    the table of low-precision storage; that section is there when ``master_labels`` are given.
+    """
+    storage = [report for report in reports if report.get("master_dtype") != MASTERS]
+    masters = [report for report in reports if report.get("master_dtype") == MASTERS]
+    if masters and not master_labels:
+        raise ValueError(
+            f"{len(masters)} report(s) of --master-dtype {MASTERS} given without --master-versions:"
+            " name their Transformers labels, e.g. --master-versions latest"
+        )
+    by_label = _by_label(storage, labels)
     lines = [
         "# Every Transformers family whose model keeps a tensor",
         "",
@@ -289,44 +383,18 @@ def render(
         "T5 encoder). Each family is its picked class (the whole model first, then the class that",
         "declares; `pytest_fp32keep/check/families/discovery.py`) built from its default config,",
         "shrunk automatically, in 2 ranks on gloo, forward under autocast. `-`: that version has",
-        "no such family (or its model keeps nothing there).",
+        'no such family (or its model keeps nothing there). The tables up to "Refusals" store',
+        'the parameters that are not kept in the low dtype; "FP32 master weights" stores them',
+        "in FP32.",
         "",
         "## Runs",
         "",
+        *_run_lines(by_label, labels),
+        *_grid_lines(by_label, labels),
     ]
-    for label in labels:
-        found = by_label.get(label)
-        if found is None:
-            lines.append(f"- {label}: not yet run")
-            continue
-        report, versions = found, found["versions"]
-        lines.append(
-            f"- {label}: transformers {versions['transformers']}, torch {versions['torch']}, "
-            f"{report.get('date', '?')}, commit {report.get('commit') or '?'}, "
-            f"{report.get('seconds', '?')} s"
-        )
-    lines += ["", "## Totals", "", "| version | dtype | " + " | ".join(KINDS) + " |"]
-    lines.append("|---|---|" + "---|" * len(KINDS))
-    for label, dtype in columns:
-        if label not in cells:
-            lines.append(
-                f"| {label} | {dtype} | " + " | ".join(["not yet run"] * len(KINDS)) + " |"
-            )
-            continue
-        counts = Counter(kind(cell) for (_, d), cell in cells[label].items() if d == dtype)
-        lines.append(f"| {label} | {dtype} | " + " | ".join(str(counts[k]) for k in KINDS) + " |")
-    lines += ["", "## Table", ""]
-    lines.append("| family | " + " | ".join(f"{label} {dtype}" for label, dtype in columns) + " |")
-    lines.append("|---|" + "---|" * len(columns))
-    for family in families:
-        row = []
-        for label, dtype in columns:
-            if label not in cells:
-                row.append("not yet run")
-            else:
-                row.append(cells[label].get((family, dtype), "-"))
-        lines.append(f"| {family} | " + " | ".join(row) + " |")
     lines += _refusal_lines(by_label, labels)
+    if master_labels:
+        lines += _masters_lines(_by_label(masters, master_labels), master_labels)
     if oracles:
         lines += _oracle_lines(oracles, labels)
     return "\n".join(lines) + "\n"
@@ -341,6 +409,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--versions", default="4.56,5.10,latest", help="Transformers labels, the table's columns"
     )
     parser.add_argument(
+        "--master-versions",
+        default="",
+        help="Transformers labels of the --master-dtype fp32 runs; adds the 'FP32 master "
+        "weights' section (a label without such a report: not yet run)",
+    )
+    parser.add_argument(
         "--oracle",
         action="append",
         default=[],
@@ -348,12 +422,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="JUnit XML of a plan-oracle run (repeatable); adds the 'Plan oracle' section",
     )
     args = parser.parse_args(argv)
-    labels = [label.strip() for label in args.versions.split(",") if label.strip()]
+    labels, master_labels = (
+        [label.strip() for label in text.split(",") if label.strip()]
+        for text in (args.versions, args.master_versions)
+    )
     reports = [json.loads(path.read_text()) for path in args.reports]
     oracles = [read_oracle(path) for path in args.oracle]
     for run in oracles:  # the session log shows the counts, not only the page
         print(f"plan oracle, {run.summary()}")
-    args.output.write_text(render(reports, labels, oracles))
+    try:
+        page = render(reports, labels, oracles, master_labels)
+    except ValueError as error:  # before the page is touched
+        parser.error(str(error))
+    args.output.write_text(page)
     return 0
 
 
