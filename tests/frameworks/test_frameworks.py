@@ -14,13 +14,19 @@ from pathlib import Path
 import pytest
 from torch.distributed.device_mesh import DeviceMesh
 
-from tests.frameworks.cases import accelerate, fp32keep_control, nemo_automodel, transformers
+from tests.frameworks.cases import (
+    accelerate,
+    fp32keep_control,
+    nemo_automodel,
+    torchtitan,
+    transformers,
+)
 from tests.frameworks.harness import DTYPES, MODELS, Setup, Source
 from tests.frameworks.observe import observe, record
 
 pytestmark = pytest.mark.slow  # breadth at pinned versions (conftest.py)
 
-MODULES = (fp32keep_control, accelerate, transformers, nemo_automodel)
+MODULES = (fp32keep_control, accelerate, transformers, nemo_automodel, torchtitan)
 """The framework case modules run here, each a tuple ``SETUPS``."""
 
 SETUPS: dict[str, Setup] = {setup.name: setup for module in MODULES for setup in module.SETUPS}

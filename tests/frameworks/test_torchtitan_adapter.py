@@ -1,0 +1,113 @@
+"""The torchtitan adapter's two departures from a plain ``shard`` are load-bearing.
+
+``examples/frameworks/torchtitan_fsdp2.py`` declares torchtitan's gradient scale (a sum over the
+ranks) and, on gloo, forces sum reductions: the negative controls here show that without the
+declaration its gradients fail ``parity`` (2x the mean), and without the forced sums its backward
+raises on gloo (no ``PREMUL_SUM``). Its bad input, an encoder-decoder or a policy
+torchtitan cannot build, is refused with an error naming the fix.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from examples.frameworks.torchtitan_fsdp2 import (
+    TORCHTITAN_GRADIENT_DIVIDE_FACTOR,
+    apply_fsdp_as_torchtitan,
+    titan_names,
+    torchtitan_policy,
+    torchtitan_shard,
+)
+from fp32keep import KeepPlan, WrapSpec
+from pytest_fp32keep import ContractReport, ContractViolation, assert_fp32_keep_contract
+from pytest_fp32keep.check.zoo import ZOO
+from tests.frameworks.observe import rows_of
+
+pytestmark = pytest.mark.slow  # breadth at pinned versions (conftest.py)
+
+FP16 = torch.float16
+
+
+def _contract(mesh: DeviceMesh, **plugged: object) -> ContractReport:
+    """The contract on GPT-OSS at fp16 under torchtitan's policy over FP32 master weights."""
+    entry = ZOO["gpt_oss"]
+    return assert_fp32_keep_contract(
+        entry.build,
+        functools.partial(entry.make_batch, seed=0),
+        mesh=mesh,
+        dtype=FP16,
+        autocast=True,
+        mp_policy=torchtitan_policy(FP16),
+        master_dtype=torch.float32,
+        **plugged,  # type: ignore[arg-type]
+    )
+
+
+def _apply_fsdp_as_is(
+    model: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    plan: KeepPlan,
+    wrap: WrapSpec | None,
+) -> None:
+    """torchtitan's ``apply_fsdp`` without the adapter's forced sum reductions."""
+    apply_fsdp_as_torchtitan(model, mesh, mp_policy)
+
+
+@pytest.mark.fsdp2(nproc=2)
+def test_undeclared_sum_fails_parity_on_gradients(fsdp2_mesh: DeviceMesh) -> None:
+    # torchtitan's units fail GPT-OSS's kept norms either way (materialized, operators); only
+    # without the declaration do its summed gradients fail parity too (2x the mean)
+    declared = rows_of(
+        _failing(fsdp2_mesh, gradient_divide_factor=TORCHTITAN_GRADIENT_DIVIDE_FACTOR)
+    )
+    undeclared = rows_of(_failing(fsdp2_mesh))
+    assert not {row for row in declared if row.startswith("parity")}, declared
+    assert {"parity (kept)", "parity (not kept)"} <= undeclared, undeclared
+
+
+@pytest.mark.fsdp2(nproc=2)
+def test_without_forced_sums_gloo_crashes_the_backward(fsdp2_mesh: DeviceMesh) -> None:
+    if dist.get_backend() != "gloo":
+        pytest.skip("NCCL has PREMUL_SUM: the forced sums change nothing there")
+    rows = rows_of(
+        _failing(
+            fsdp2_mesh,
+            shard=_apply_fsdp_as_is,
+            gradient_divide_factor=TORCHTITAN_GRADIENT_DIVIDE_FACTOR,
+        )
+    )
+    assert "crashed (backward)" in rows, rows
+
+
+def _failing(mesh: DeviceMesh, **plugged: object) -> ContractReport:
+    plugged.setdefault("shard", torchtitan_shard)
+    with pytest.raises(ContractViolation) as caught:
+        _contract(mesh, **plugged)
+    return caught.value.report
+
+
+def test_an_encoder_decoder_is_refused_naming_what_it_lacks() -> None:
+    lacking = r"trains decoders: T5ForConditionalGeneration has no model.embed_tokens"
+    with pytest.raises(ValueError, match=lacking), titan_names(ZOO["t5"].build()):
+        pass
+
+
+def test_a_policy_torchtitan_cannot_build_is_refused() -> None:
+    casting = MixedPrecisionPolicy(param_dtype=FP16, reduce_dtype=torch.float32)
+    with pytest.raises(ValueError, match="cast_forward_inputs=False"):
+        torchtitan_shard(
+            ZOO["gpt_oss"].build(),
+            mesh=None,
+            mp_policy=casting,
+            plan=None,
+            wrap=None,  # type: ignore[arg-type]
+        )
