@@ -14,6 +14,10 @@ What plugs where (``assert_fp32_keep_contract(..., shard=, load=, mp_policy=, ma
   the kept tensors FP32 and the rest in that dtype (``fp32keep.keep_aware_cast`` follows its
   rules); with ``torch_dtype=torch.float32`` (nemo-automodel's recommended FP32 master weights,
   ``master_dtype=torch.float32`` in the contract) every parameter is FP32.
+- ``cast=nemo_checkpoint_cast`` (optional): the same load of a checkpoint that stores every
+  tensor in ``torch_dtype`` (as many published bf16 checkpoints do), after which
+  ``from_pretrained`` runs nemo-automodel's ``_restore_loaded_model_dtype``: it casts each tensor
+  to the wider of its checkpoint dtype and the requested one, the kept ones included.
 - ``shard=nemo_shard``: a ``MeshContext`` built by nemo-automodel's own ``MeshContext.build``
   (a ``dp_shard`` axis over every rank) and ``parallelize_model``, the function
   ``from_pretrained`` runs.
@@ -50,6 +54,7 @@ from collections.abc import Iterator, Mapping
 
 import nemo_automodel.components.distributed.parallelizer as nemo_parallelizer
 import torch
+from nemo_automodel._transformers.model_init import _restore_loaded_model_dtype
 from nemo_automodel.components.checkpoint.checkpointing import _load_full_state_dict_into_model
 from nemo_automodel.components.distributed.config import FSDP2Config
 from nemo_automodel.components.distributed.fsdp_patches import patch_fsdp_accumulated_grad_guard
@@ -59,7 +64,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from fp32keep import KeepPlan, WrapSpec, keep_policy
+from fp32keep import KeepPlan, WrapSpec, keep_aware_cast, keep_policy
 
 
 def nemo_policy(dtype: torch.dtype) -> MixedPrecisionPolicy:
@@ -182,3 +187,25 @@ def nemo_load(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | None) -
             "nemo_load needs the whole state dict on every rank: pass load_on_every_rank=True"
         )
     _load_full_state_dict_into_model([model], dict(state_dict))
+
+
+def nemo_checkpoint_cast(model: nn.Module, dtype: torch.dtype, plan: KeepPlan) -> None:
+    """The contract's ``cast``: ``from_pretrained(torch_dtype=dtype)`` of a checkpoint that
+    stores every floating tensor in ``dtype``.
+
+    Transformers' load leaves the kept tensors FP32 (``fp32keep.keep_aware_cast`` follows its
+    rules); ``from_pretrained`` then calls nemo-automodel's own ``_restore_loaded_model_dtype``
+    with the checkpoint's dtypes (handed over as ``load_kwargs["state_dict"]``, from which it reads
+    them; meta tensors, as only the dtypes are read).
+    """
+    keep_aware_cast(model, dtype, plan=plan)
+    checkpoint = {
+        name: torch.empty_like(
+            tensor, device="meta", dtype=dtype if tensor.is_floating_point() else tensor.dtype
+        )
+        for name, tensor in model.state_dict().items()
+    }
+    config = getattr(model, "config", None)
+    _restore_loaded_model_dtype(
+        model, None, config, None, {"state_dict": checkpoint}, requested_dtype=dtype
+    )

@@ -8,12 +8,15 @@ before sharding), and past that crash (``examples/frameworks/nemo_automodel_fsdp
 with the dtypes ``from_pretrained(torch_dtype=<low precision>)`` leaves (kept tensors FP32, the
 rest low precision) and with its recommended FP32 master weights (``torch_dtype=float32``).
 
-Not judged here, because the contract builds models rather than loading checkpoint files:
-``_restore_loaded_model_dtype`` (``_transformers/model_init.py``), which after
-``from_pretrained`` casts each tensor to the wider of its checkpoint dtype and the requested one,
-so kept tensors a checkpoint stores in bf16/fp16 come back in bf16/fp16 under a low-precision
-request; and ``fully_shard_by_dtype`` (``parallelizer_utils.py``), which only nemo-automodel's
-own model classes (Nemotron-V3, Qwen3.5, its MoE parallelizer) use, never the Hugging Face path.
+A fourth way loads a checkpoint stored wholly in the low dtype: ``from_pretrained`` then runs
+``_restore_loaded_model_dtype``, which casts the kept tensors back to that dtype.
+
+The path judged is the one for Hugging Face model classes: what every architecture without a
+nemo-automodel implementation gets (T5), and what ``force_hf=True`` gives the others
+(nemo-automodel 0.7.0 has its own DeepSeek-V3, Ernie4.5 and GPT-OSS, sharded by their own
+parallelizers). Not judged: ``fully_shard_by_dtype`` (``parallelizer_utils.py``), which only
+those implementations (Nemotron-V3, Qwen3.5, the MoE parallelizer) use, never the Hugging Face
+path.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from examples.frameworks.nemo_automodel_fsdp2 import (
+    nemo_checkpoint_cast,
     nemo_load,
     nemo_policy,
     nemo_shard,
@@ -29,7 +33,7 @@ from examples.frameworks.nemo_automodel_fsdp2 import (
     nemo_shard_keeping,
 )
 from pytest_fp32keep import ContractReport
-from pytest_fp32keep.contract.steps import ShardFn
+from pytest_fp32keep.contract.steps import CastFn, ShardFn
 from tests.frameworks.harness import (
     ADAPTERS,
     MODELS,
@@ -71,9 +75,37 @@ _GUARD_TARGET = Source(
     "reads a private FSDP2 method torch 2.15 no longer has",
 )
 
+_MODEL_INIT = "nemo_automodel/_transformers/model_init.py"
+_RESTORE = (
+    Source(
+        _MODEL_INIT,
+        1451,
+        "_restore_loaded_model_dtype(",
+        "`from_pretrained` re-casts every loaded tensor after Transformers' keep-aware load",
+    ),
+    Source(
+        _MODEL_INIT,
+        1173,
+        "target_dtype = torch.promote_types(effective_checkpoint_dtype, requested_dtype)",
+        "the target is the wider of the checkpoint's dtype and the requested one, the keep "
+        "lists unread",
+    ),
+    Source(
+        _MODEL_INIT,
+        1189,
+        "tensor.data = tensor.data.to(dtype=target_dtype)",
+        "a kept FP32 tensor cast back down to the checkpoint's dtype",
+    ),
+)
+_RESTORED = (
+    "`_restore_loaded_model_dtype` casts {kept} back to the checkpoint's {dtype} after "
+    "Transformers kept {them} FP32 (stored), so what the loader loads lands in {dtype} (round "
+    "trip), {it} all-gathers and computes in {dtype} (materialized, operators) and {its} "
+    "gradient is {dtype} (parity){more}"
+)
 _UNIFORM = (
     "nemo-automodel shards each layer as one FSDP2 unit without reading the keep lists; "
-    "`from_pretrained(torch_dtype={dtype})` leaves {kept} FP32 beside the layer's {dtype} "
+    "`from_pretrained(torch_dtype={torch_dtype})` leaves {kept} FP32 beside the layer's {dtype} "
     "weights, so FSDP2 refuses the unit's mixed dtypes at the first forward (uniform original "
     "parameter dtype)"
 )
@@ -85,8 +117,42 @@ _KEPT_IN_LAYERS = {
 }
 _TORCH_DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}
 _LOW_STORAGE_CAUSES = {
-    model: Cause(_UNIFORM.format(dtype=_TORCH_DTYPE[MODELS[model]], kept=kept), (_LAYER_UNIT,))
+    model: Cause(
+        _UNIFORM.format(torch_dtype=_TORCH_DTYPE[MODELS[model]], dtype=MODELS[model], kept=kept),
+        (_LAYER_UNIT,),
+    )
     for model, kept in _KEPT_IN_LAYERS.items()
+}
+_RESTORED_CAUSES = {
+    "t5": Cause(
+        _RESTORED.format(
+            kept="each block's kept `wo`",
+            dtype="fp16",
+            them="them",
+            it="each",
+            its="its",
+            more="; T5 then feeds `wo` fp16 inputs it would have cast to FP32 (boundary)",
+        ),
+        _RESTORE,
+    ),
+    "ernie4_5_moe": Cause(
+        _RESTORED.format(
+            kept="the kept router", dtype="bf16", them="it", it="it", its="its", more=""
+        ),
+        _RESTORE,
+    ),
+    "deepseek_v3": Cause(
+        _RESTORED.format(
+            kept="the kept router weight", dtype="bf16", them="it", it="it", its="its", more=""
+        ),
+        _RESTORE,
+    ),
+    "gpt_oss": Cause(
+        _RESTORED.format(
+            kept="the kept norms", dtype="fp16", them="them", it="each", its="their", more=""
+        ),
+        _RESTORE,
+    ),
 }
 _MASTER_CAUSES = {
     "t5": Cause(
@@ -121,12 +187,13 @@ _AS_INSTALLED_CAUSE = Cause(
 )
 
 
-def _nemo(shard: ShardFn, master_dtype: torch.dtype | None) -> Run:
+def _nemo(shard: ShardFn, master_dtype: torch.dtype | None, cast: CastFn | None = None) -> Run:
     def run(mesh: DeviceMesh, model: str, dtype: torch.dtype) -> ContractReport:
         return on_zoo(
             mesh,
             model,
             dtype,
+            **({} if cast is None else {"cast": cast}),
             mp_policy=nemo_policy(dtype),
             shard=shard,
             load=nemo_load,
@@ -147,6 +214,21 @@ def _fp32keep(master_dtype: torch.dtype | None) -> Run:
 
 _NEMO = f"--shard {_ADAPTER}:nemo_shard {_POLICY_OPTION} {_LOAD_OPTION}"
 _MASTER = "--master-dtype fp32"
+_KEPT_LOW = frozenset(
+    {
+        "materialized (kept)",
+        "operators (kept)",
+        "parity (kept)",
+        "round trip (kept)",
+        "stored (kept)",
+    }
+)
+_ROWS_RESTORED = {
+    "t5": _KEPT_LOW | {"boundary (kept)"},
+    "ernie4_5_moe": _KEPT_LOW,
+    "deepseek_v3": _KEPT_LOW,
+    "gpt_oss": _KEPT_LOW,
+}
 _ROWS_MASTER = {
     "t5": frozenset({"boundary (kept)", "materialized (kept)", "operators (kept)"}),
     "ernie4_5_moe": frozenset({"materialized (kept)", "operators (kept)", "parity (kept)"}),
@@ -175,6 +257,17 @@ SETUPS = (
         {model: frozenset({"crashed (forward)"}) for model in MODELS},
         _LOW_STORAGE_CAUSES,
         _NEMO,
+    ),
+    Setup(
+        "nemo-automodel, low-precision checkpoint",
+        "nemo-automodel",
+        "`from_pretrained(torch_dtype=<the model's dtype>)` of a checkpoint stored wholly in that "
+        "dtype, then its `_restore_loaded_model_dtype`; `parallelize_model` (past its torch-2.15 "
+        "crash) with `FSDP2Config`'s default policy; its loader",
+        _nemo(nemo_shard, None, nemo_checkpoint_cast),
+        _ROWS_RESTORED,
+        _RESTORED_CAUSES,
+        f"--cast {_ADAPTER}:nemo_checkpoint_cast {_NEMO}",
     ),
     Setup(
         "nemo-automodel, FP32 master weights",
