@@ -9,7 +9,7 @@ torchtitan cannot build, is refused with an error naming the fix.
 
 from __future__ import annotations
 
-import functools
+from typing import Any
 
 import pytest
 import torch
@@ -26,8 +26,9 @@ from examples.frameworks.torchtitan_fsdp2 import (
     torchtitan_shard,
 )
 from fp32keep import KeepPlan, WrapSpec
-from pytest_fp32keep import ContractReport, ContractViolation, assert_fp32_keep_contract
+from pytest_fp32keep import ContractReport, ContractViolation
 from pytest_fp32keep.check.zoo import ZOO
+from tests.frameworks.harness import on_zoo
 from tests.frameworks.observe import rows_of
 
 pytestmark = pytest.mark.slow  # breadth at pinned versions (conftest.py)
@@ -35,19 +36,10 @@ pytestmark = pytest.mark.slow  # breadth at pinned versions (conftest.py)
 FP16 = torch.float16
 
 
-def _contract(mesh: DeviceMesh, **plugged: object) -> ContractReport:
+def _contract(mesh: DeviceMesh, **plugged: Any) -> ContractReport:
     """The contract on GPT-OSS at fp16 under torchtitan's policy over FP32 master weights."""
-    entry = ZOO["gpt_oss"]
-    return assert_fp32_keep_contract(
-        entry.build,
-        functools.partial(entry.make_batch, seed=0),
-        mesh=mesh,
-        dtype=FP16,
-        autocast=True,
-        mp_policy=torchtitan_policy(FP16),
-        master_dtype=torch.float32,
-        **plugged,  # type: ignore[arg-type]
-    )
+    policy = torchtitan_policy(FP16)
+    return on_zoo(mesh, "gpt_oss", FP16, mp_policy=policy, master_dtype=torch.float32, **plugged)
 
 
 def _apply_fsdp_as_is(
@@ -70,8 +62,8 @@ def test_undeclared_sum_fails_parity_on_gradients(fsdp2_mesh: DeviceMesh) -> Non
         _failing(fsdp2_mesh, gradient_divide_factor=TORCHTITAN_GRADIENT_DIVIDE_FACTOR)
     )
     undeclared = rows_of(_failing(fsdp2_mesh))
-    assert not {row for row in declared if row.startswith("parity")}, declared
-    assert {"parity (kept)", "parity (not kept)"} <= undeclared, undeclared
+    assert declared == {"materialized (kept)", "operators (kept)"}, declared
+    assert undeclared == declared | {"parity (kept)", "parity (not kept)"}, undeclared
 
 
 @pytest.mark.fsdp2(nproc=2)
@@ -87,7 +79,7 @@ def test_without_forced_sums_gloo_crashes_the_backward(fsdp2_mesh: DeviceMesh) -
     assert ("crashed (backward)" in rows) == (dist.get_backend() == "gloo"), rows
 
 
-def _failing(mesh: DeviceMesh, **plugged: object) -> ContractReport:
+def _failing(mesh: DeviceMesh, **plugged: Any) -> ContractReport:
     plugged.setdefault("shard", torchtitan_shard)
     with pytest.raises(ContractViolation) as caught:
         _contract(mesh, **plugged)
