@@ -15,7 +15,8 @@
   master weights on torch 2.15); writes ``docs/families.md``.
 - ``keep-policy``: the policy path (torch 2.15's ``param_dtype_override_fn``) on torch 2.15,
   with the machine's pip constraint lifted for that session.
-- ``frameworks``: accelerate's and Transformers' own FSDP2 under the contract
+- ``frameworks``: each framework's own FSDP2 (accelerate, Transformers, nemo-automodel,
+  torchtitan) under the contract
   (``tests/frameworks``) at the ``[frameworks]`` versions of ``ci/matrix.toml``; writes
   ``docs/frameworks.md``.
 

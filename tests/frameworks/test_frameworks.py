@@ -17,13 +17,31 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pytest_fp32keep.check.arguments import build_parser
 from pytest_fp32keep.check.plugins import Plugins, resolve_plugins
-from tests.frameworks.cases import accelerate, axolotl, fp32keep_control, transformers, trl, verl
+from tests.frameworks.cases import (
+    accelerate,
+    axolotl,
+    fp32keep_control,
+    nemo_automodel,
+    torchtitan,
+    transformers,
+    trl,
+    verl,
+)
 from tests.frameworks.harness import DTYPES, MODELS, Setup, Source
 from tests.frameworks.observe import observe, record
 
 pytestmark = pytest.mark.slow  # breadth at pinned versions (conftest.py)
 
-MODULES = (fp32keep_control, accelerate, transformers, verl, trl, axolotl)
+MODULES = (
+    fp32keep_control,
+    accelerate,
+    transformers,
+    verl,
+    trl,
+    axolotl,
+    nemo_automodel,
+    torchtitan,
+)
 """The framework case modules run here, each a tuple ``SETUPS``."""
 
 SETUPS: dict[str, Setup] = {setup.name: setup for module in MODULES for setup in module.SETUPS}
