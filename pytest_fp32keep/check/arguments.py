@@ -50,6 +50,19 @@ def _positive_int(option: str) -> Any:
     return parse
 
 
+def _positive_float(option: str) -> Any:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{option} must be a number, got {text!r}") from None
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{option} must be above 0 and finite, got {text}")
+        return value
+
+    return parse
+
+
 def _report_path(option: str, suffix: str, other: str) -> Any:
     """An argparse type: a file ``option`` can write, in a folder that exists, named so that
     it is not mistaken for the other report (``suffix`` is the wrong one)."""
@@ -262,6 +275,20 @@ def _plugin_arguments(check: argparse.ArgumentParser) -> None:
         help="function(dtype) -> MixedPrecisionPolicy, called for each --dtype (a function "
         "that takes no argument is called with none); default: MixedPrecisionPolicy("
         "param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)",
+    )
+    plugins.add_argument(
+        "--load-on-every-rank",
+        action="store_true",
+        help="--load's function takes the full state dict on every rank (default: on rank 0, "
+        "None elsewhere)",
+    )
+    plugins.add_argument(
+        "--gradient-divide-factor",
+        type=_positive_float("--gradient-divide-factor"),
+        default=None,
+        metavar="F",
+        help="your FSDP2 units divide summed gradients by F instead of the world size (1: "
+        "summed, the loss normalised by your code); the contract judges gradients at that scale",
     )
 
 

@@ -83,21 +83,39 @@ class Plugins:
     shard: str | None = None
     load: str | None = None
     policy: str | None = None
+    load_on_every_rank: bool = False
+    """``--load-on-every-rank``: ``--load`` takes the full state dict on every rank."""
+    gradient_divide_factor: float | None = None
+    """``--gradient-divide-factor``: the framework divides summed gradients by this instead of
+    FSDP2's world size (``assert_fp32_keep_contract(gradient_divide_factor=...)``)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Plugins:
-        return cls(args.cast, args.shard, args.load, args.policy)
+        return cls(
+            args.cast,
+            args.shard,
+            args.load,
+            args.policy,
+            args.load_on_every_rank,
+            args.gradient_divide_factor,
+        )
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, str | None]) -> Plugins:
-        return cls(**{field.name: values.get(field.name) for field in dataclasses.fields(cls)})
+    def from_dict(cls, values: Mapping[str, Any]) -> Plugins:
+        return cls(
+            **{
+                field.name: values.get(field.name, field.default)
+                for field in dataclasses.fields(cls)
+            }
+        )
 
-    def to_dict(self) -> dict[str, str | None]:
+    def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def plugged(self) -> bool:
-        """Whether anything replaces one of fp32keep's own steps or the default policy."""
-        return any(value is not None for value in self.to_dict().values())
+        """Whether anything replaces one of fp32keep's own steps, the default policy or the
+        contract's conventions (where the load's dict is, how gradients are scaled)."""
+        return any(value not in (None, False) for value in self.to_dict().values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +128,8 @@ class ResolvedPlugins:
     check_state_dict: bool = True
     policy: Callable[..., Any] | None = None
     policy_spec: str = ""
+    load_on_every_rank: bool = False
+    gradient_divide_factor: float | None = None
 
     def policy_for(self, dtype: torch.dtype) -> MixedPrecisionPolicy | None:
         """``--policy``'s policy for ``dtype`` (``None`` without ``--policy``)."""
@@ -142,6 +162,10 @@ class ResolvedPlugins:
         }
         if not self.check_state_dict:
             found["check_state_dict"] = False
+        if self.load_on_every_rank:
+            found["load_on_every_rank"] = True
+        if self.gradient_divide_factor is not None:
+            found["gradient_divide_factor"] = self.gradient_divide_factor
         policy = self.policy_for(dtype)
         if policy is not None:
             found["mp_policy"] = policy
@@ -212,6 +236,12 @@ def resolve_plugins(plugins: Plugins, dtypes: Iterable[torch.dtype] = ()) -> Res
     before any rank starts). Raises :class:`TargetError` naming the option, the value and the
     fix."""
     load_none = plugins.load == LOAD_NONE
+    if plugins.load_on_every_rank and (plugins.load is None or load_none):
+        raise TargetError(
+            f"--load-on-every-rank with --load {plugins.load or '(not given)'}: it says where "
+            "your own loader takes the full state dict; pass --load MODULE:FUNCTION too, or "
+            "drop --load-on-every-rank (fp32keep's loader takes it on rank 0)"
+        )
 
     def function(option: str, spec: str | None) -> Callable[..., Any] | None:
         return None if spec is None else _resolved(option, spec)
@@ -223,6 +253,8 @@ def resolve_plugins(plugins: Plugins, dtypes: Iterable[torch.dtype] = ()) -> Res
         check_state_dict=not load_none,
         policy=function("policy", plugins.policy),
         policy_spec=plugins.policy or "",
+        load_on_every_rank=plugins.load_on_every_rank,
+        gradient_divide_factor=plugins.gradient_divide_factor,
     )
     for dtype in dtypes:
         resolved.policy_for(dtype)

@@ -176,7 +176,12 @@ def implementation_steps(result: dict[str, Any]) -> list[str]:
         value = plugins.get(step)
         if value == "none" and step == "load":
             value = "none (round trip not judged)"
+        elif step == "load" and plugins.get("load_on_every_rank"):
+            value = f"{value} (the full state dict on every rank)"
         steps.append(f"{step}: {value or own}")
+    if plugins.get("gradient_divide_factor") is not None:
+        factor = plugins["gradient_divide_factor"]
+        steps.append(f"gradients: divided by {factor:g}, not the world size (judged at that scale)")
     return steps
 
 

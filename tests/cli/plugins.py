@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import fp32keep
 from fp32keep import KeepPlan, WrapSpec
@@ -31,6 +31,24 @@ def keep_shard(
 ) -> None:
     """Correct: a framework that delegates to fp32keep's keep-aware wrapping."""
     fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=mp_policy, plan=plan, wrap=wrap)
+
+
+def summing_shard(
+    model: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    plan: KeepPlan,
+    wrap: WrapSpec | None,
+) -> None:
+    """fp32keep's wrapping with gradients summed over the ranks, not averaged (torchtitan's
+    ``disable_fsdp_gradient_division``): correct once the scale is declared to the contract.
+    Sums are forced into the collective itself, since gloo has no ``PREMUL_SUM``."""
+    fp32keep.apply_fsdp2(model, mesh=mesh, mp_policy=mp_policy, plan=plan, wrap=wrap)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def blanket_shard(

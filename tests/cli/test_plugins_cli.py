@@ -24,7 +24,7 @@ import torch
 from pytest_fp32keep.check import cli
 from pytest_fp32keep.check.plugins import Plugins, policy_takes_dtype, resolve_plugins
 from pytest_fp32keep.check.render import legend_text, render_markdown, render_text
-from tests.cli.plugins import POLICY_LOG, fixed_policy, logged_policy
+from tests.cli.plugins import POLICY_LOG, fixed_policy, keep_load, logged_policy
 from tests.cli.test_cli import _environment, run_cli
 from tests.error_bounds import PARENT_BOUND_S, within
 
@@ -127,6 +127,46 @@ def test_a_bad_plug_in_is_an_error_naming_option_value_and_fix_before_any_rank(
     assert message in err, err
 
 
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        pytest.param(
+            ["--load-on-every-rank"],
+            "--load-on-every-rank with --load (not given): it says where your own loader takes "
+            "the full state dict; pass --load MODULE:FUNCTION too",
+            id="every-rank-without-load",
+        ),
+        pytest.param(
+            ["--load", "none", "--load-on-every-rank"],
+            "--load-on-every-rank with --load none:",
+            id="every-rank-with-load-none",
+        ),
+        pytest.param(
+            ["--gradient-divide-factor", "0"],
+            "--gradient-divide-factor must be above 0 and finite, got 0",
+            id="factor-zero",
+        ),
+        pytest.param(
+            ["--gradient-divide-factor", "mean"],
+            "--gradient-divide-factor must be a number, got 'mean'",
+            id="factor-not-a-number",
+        ),
+    ],
+)
+def test_a_bad_convention_is_an_error_before_any_rank(
+    arguments: list[str], message: str, no_ranks: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with within(PARENT_BOUND_S):
+        try:
+            status = cli.main(["check", *T5_FP16, *arguments])
+        except SystemExit as exited:  # argparse's own errors exit from the parser
+            status = exited.code
+    assert status == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.startswith("fp32keep check: error: "), err
+    assert message in err, err
+
+
 def test_the_good_plug_ins_pass_the_same_validation(no_ranks: None) -> None:
     """Negative control of the errors above: the plug-ins of the real runs are accepted, and
     a policy of one argument is told from one of none by its signature alone."""
@@ -135,6 +175,12 @@ def test_the_good_plug_ins_pass_the_same_validation(no_ranks: None) -> None:
     assert set(resolved.contract_kwargs(torch.float16)) == {"cast", "shard", "load", "mp_policy"}
     assert resolve_plugins(Plugins(load="none")).contract_kwargs(torch.float16) == {
         "check_state_dict": False
+    }
+    conventions = Plugins(load=f"{P}:keep_load", load_on_every_rank=True, gradient_divide_factor=1)
+    assert resolve_plugins(conventions).contract_kwargs(torch.float16) == {
+        "load": keep_load,
+        "load_on_every_rank": True,
+        "gradient_divide_factor": 1,
     }
     assert policy_takes_dtype(logged_policy) and not policy_takes_dtype(fixed_policy)
     takes: dict[str, Callable[..., Any]] = {
@@ -146,6 +192,9 @@ def test_the_good_plug_ins_pass_the_same_validation(no_ranks: None) -> None:
 
 
 # --- four real runs ------------------------------------------------------------------------------
+
+
+SUMMED = ("t5", "--dtype", "fp16", "--shard", f"{P}:summing_shard", "--load", "none")
 
 
 def _runs(folder: Path) -> dict[str, list[str]]:
@@ -173,6 +222,9 @@ def _runs(folder: Path) -> dict[str, list[str]]:
             *("t5", "rwkv", "--dtype", "fp16", "--cast", f"{P}:blanket_cast"),
             *("--shard", f"{P}:blanket_shard"),
         ],
+        # summed gradients: right when declared, and the undeclared run is the negative control
+        "summed": [*SUMMED, "--gradient-divide-factor", "1"],
+        "summed, undeclared": SUMMED,
     }
 
 
@@ -221,6 +273,8 @@ def test_the_correct_plug_ins_pass_and_the_reports_name_them(plugged_runs: dict[
         "shard": f"{P}:keep_shard",
         "load": f"{P}:keep_load",
         "policy": f"{P}:logged_policy",
+        "load_on_every_rank": False,
+        "gradient_divide_factor": None,
     }
     t5 = next(case for case in report["cases"] if case["target"] == "t5")
     assert t5["status"]["round trip"] is True  # the plugged-in loader ran
@@ -313,3 +367,13 @@ def test_the_verdict_names_the_plugged_in_shard_not_apply_fsdp2() -> None:
     assert "pass (refused) = apply_fsdp2 refused" in _flat(render_text(own, 100))
     assert "under test" not in render_text(own, 100)
     assert "Under test" not in render_markdown(own)
+
+
+def test_a_declared_gradient_sum_passes_and_an_undeclared_one_fails_parity(
+    plugged_runs: dict[str, Any],
+) -> None:
+    declared, undeclared = _run(plugged_runs, "summed"), _run(plugged_runs, "summed, undeclared")
+    assert declared.returncode == 0, declared.stdout + declared.stderr
+    assert "gradients: divided by 1, not the world size" in _flat(declared.stdout)
+    assert undeclared.returncode == 1, undeclared.stdout + undeclared.stderr
+    assert "parity" in undeclared.stdout and "grad " in undeclared.stdout, undeclared.stdout
