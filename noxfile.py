@@ -513,9 +513,12 @@ KEEP_POLICY_TESTS = (
     "tests/multirank/test_keep_policy_fsdp2.py",
     "tests/multirank/test_policies_fsdp2.py",
     "tests/contract/test_fsdp_state.py",
+    "tests/multirank/test_master_dtype_families_fsdp2.py",
 )
 """What ``keep-policy`` runs: the policy path, the policies frameworks shard with, the shim
-that reads 2.15's per-call policy."""
+that reads 2.15's per-call policy, and the families only the override keeps (glm5_next, inkling,
+kimi_linear: the newest Transformers has them, so the session installs it)."""
+KEEP_POLICY_TRANSFORMERS = next(pin for pin in MATRIX.transformers if pin.label == "latest")
 
 
 @nox.session(name="keep-policy", python=PYTHON, default=False)
@@ -524,11 +527,12 @@ def keep_policy(session: nox.Session) -> None:
 
     Installs torch 2.15 with every pip constraint lifted for this session alone
     (``PIP_CONSTRAINT``: a machine may cap torch below it, as the reference one does at 2.14.1),
-    then runs :data:`KEEP_POLICY_TESTS` with ``--slow``, which the default tier skips on an older
-    torch with a reason naming it. Arguments after ``--`` go to pytest.
+    and the newest Transformers of ci/matrix.toml (``latest``), then runs :data:`KEEP_POLICY_TESTS`
+    with ``--slow``, which the default tier skips on an older torch with a reason naming it.
+    Arguments after ``--`` go to pytest.
     """
     session.env["PIP_CONSTRAINT"] = os.devnull
-    install_stack(session, KEEP_POLICY_TORCH, MATRIX.default_transformers)
+    install_stack(session, KEEP_POLICY_TORCH, KEEP_POLICY_TRANSFORMERS)
     session.run("pytest", *KEEP_POLICY_TESTS, "--slow", "-p", "no:cacheprovider", *session.posargs)
 
 
