@@ -96,15 +96,15 @@ def _side_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
             return group
         except (KeyError, RuntimeError, ValueError):
             del _GROUPS[key]
-    group = dist.new_group(
+    created = dist.new_group(  # torch >= 2.15 types a non-member's result as a placeholder
         list(ranks),
         backend="gloo",
         timeout=timedelta(seconds=AGREE_TIMEOUT_S),
         use_local_synchronization=True,
     )
-    assert isinstance(group, dist.ProcessGroup)  # every caller is a member
-    _GROUPS[key] = group
-    return group
+    assert isinstance(created, dist.ProcessGroup)  # every caller is a member
+    _GROUPS[key] = created
+    return created
 
 
 class Agreement:
