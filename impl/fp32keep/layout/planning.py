@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
 import torch
@@ -277,6 +277,113 @@ def _read_covering(reads: Sequence[DirectRead], module_fqn: str) -> DirectRead |
     return None
 
 
+@dataclass
+class _Owned:
+    """One floating parameter (all its aliases): where it lives and which units would hold it."""
+
+    tensor: nn.Parameter
+    names: list[str]
+    module_fqn: str
+    units: set[int] = field(default_factory=set)
+
+    @property
+    def first(self) -> str:
+        return self.names[0]
+
+
+@dataclass
+class _Assignment:
+    """Which unit owns each parameter: ``owner`` by name, ``assigned`` in the model's order (with
+    the unit's index), the frozen kept ones left out of FSDP2, the ones several units claim."""
+
+    owner: dict[str, str] = field(default_factory=dict)
+    assigned: list[tuple[_Owned, int]] = field(default_factory=list)
+    replicated: list[str] = field(default_factory=list)
+    claimed_twice: list[_Owned] = field(default_factory=list)
+
+
+def _inventory(
+    model: nn.Module, plan: KeepPlan, innermost: Callable[[str], int]
+) -> tuple[list[_Owned], dict[str, list[str]]]:
+    """Every floating parameter once, in the model's order, with the units around each alias;
+    and what each module owns directly that the plan does not keep (the truth a mixed-unit
+    refusal must state)."""
+    owned: dict[int, _Owned] = {}
+    not_kept_owned: dict[str, list[str]] = defaultdict(list)
+    for module_fqn, _, attribute, tensor, is_param in iter_owned(model):
+        if not is_param or not is_castable_float(tensor.dtype):
+            continue
+        name = join(module_fqn, attribute)
+        parameter: nn.Parameter = tensor  # type: ignore[assignment]
+        record = owned.setdefault(id(tensor), _Owned(parameter, [], module_fqn))
+        record.names.append(name)
+        record.units.add(innermost(module_fqn))
+        if name not in plan.param_names:
+            not_kept_owned[module_fqn].append(f"{attribute} ({dtype_name(tensor.dtype)})")
+    return list(owned.values()), not_kept_owned
+
+
+def _assign(
+    owned: Sequence[_Owned], units: Sequence[Unit], plan: KeepPlan, *, replicate_frozen: bool
+) -> _Assignment:
+    """Give each parameter its one unit; a kept, frozen FP32 one outside a kept unit is
+    replicated instead where torch can leave it out of FSDP2."""
+    done = _Assignment()
+    for record in owned:
+        if len(record.units) > 1:
+            done.claimed_twice.append(record)
+            continue
+        index = next(iter(record.units))
+        kept = any(name in plan.param_names for name in record.names)
+        frozen_fp32 = not record.tensor.requires_grad and record.tensor.dtype == torch.float32
+        if kept and units[index].kind != "kept" and frozen_fp32 and replicate_frozen:
+            done.owner.update(dict.fromkeys(record.names, "<replicated>"))
+            done.replicated.append(record.first)
+            continue
+        done.owner.update(dict.fromkeys(record.names, units[index].label))
+        done.assigned.append((record, index))
+    return done
+
+
+@dataclass(frozen=True)
+class _KeptContext:
+    """What judging a kept parameter's unit needs beside the parameter."""
+
+    model: nn.Module
+    plan: KeepPlan
+    replicate_frozen: bool
+    read_directly: Sequence[DirectRead]
+    reader_obstacles: Mapping[str, str]
+    find_read: ReadFinder
+    root_obstacle: str | None
+    not_kept_owned: dict[str, list[str]]
+
+
+def _kept_problems(record: _Owned, unit: Unit, context: _KeptContext) -> list[LayoutProblem]:
+    """Why the unit a kept parameter landed in cannot keep it FP32 (empty: it can): stored
+    below FP32, read by an ancestor outside a kept unit, in the root unit, or in a standard
+    unit beside parameters that are not kept."""
+    model, module_fqn, first = context.model, record.module_fqn, record.first
+    low = dtype_name(context.plan.dtype)
+    dtype = record.tensor.dtype
+    problems: list[LayoutProblem] = []
+    if dtype != torch.float32:
+        problems.append(degraded_problem(first, model, module_fqn, dtype, unit.label))
+    read = _read_covering(context.read_directly, module_fqn)
+    if read is not None and unit.kind != "kept":
+        obstacle = context.reader_obstacles.get(read.module_fqn)
+        frozen = context.replicate_frozen
+        problems.append(read_problem(first, read, unit.label, frozen, low, obstacle))
+    elif unit.kind == "root":
+        reader = context.find_read(model, module_fqn) if module_fqn else None
+        obstacle = None if module_fqn else context.root_obstacle
+        problems.append(root_problem(first, model, module_fqn, low, reader, obstacle))
+    elif unit.kind == "standard":
+        not_kept = context.not_kept_owned
+        problems.append(mixed_problem(first, model, module_fqn, unit.label, not_kept))
+    return problems
+
+
 def _assign_and_validate(
     model: nn.Module,
     plan: KeepPlan,
@@ -292,101 +399,60 @@ def _assign_and_validate(
     """``(owner, replicated, problems)``: the unit label of every parameter name, the kept
     frozen parameters left out of FSDP2, and every problem found (empty when the layout holds).
 
-    ``innermost(module_fqn)`` is the index in ``units`` of the innermost unit around a module;
-    ``find_read`` names who reads a root-owned kept parameter's module.
+    First every parameter is assigned its unit (:func:`_assign`), then the assignment is
+    validated: parameters two units claim, kept ones whose unit cannot keep them
+    (:func:`_kept_problems`), units of mixed trainable dtypes. ``innermost(module_fqn)`` is the
+    index in ``units`` of the innermost unit around a module; ``find_read`` names who reads a
+    root-owned kept parameter's module.
     """
+    owned, not_kept_owned = _inventory(model, plan, innermost)
+    assignment = _assign(owned, units, plan, replicate_frozen=replicate_frozen)
+    context = _KeptContext(
+        model,
+        plan,
+        replicate_frozen,
+        read_directly,
+        reader_obstacles or {},
+        find_read,
+        root_obstacle,
+        not_kept_owned,
+    )
     problems: list[LayoutProblem] = []
-    unit_of_param: dict[int, set[int]] = defaultdict(set)
-    names_of_param: dict[int, list[str]] = defaultdict(list)
-    module_of_param: dict[int, str] = {}
-    params: dict[int, nn.Parameter] = {}
-    # What each module owns directly that the plan does not keep: the truth a mixed-unit
-    # refusal must state.
-    not_kept_owned: dict[str, list[str]] = defaultdict(list)
-    for module_fqn, _, attribute, tensor, is_param in iter_owned(model):
-        if not is_param or not is_castable_float(tensor.dtype):
+    for record in assignment.claimed_twice:
+        kept = any(name in plan.param_names for name in record.names)
+        labels = sorted(units[index].label for index in record.units)
+        problems.append(tied_problem(model, record.names, labels, record.tensor.dtype, kept))
+    exempt: set[int] = set()  # already refused, or kept and FP32: never blamed for mixing
+    for record, index in assignment.assigned:
+        if not any(name in plan.param_names for name in record.names):
             continue
-        key = id(tensor)
-        name = join(module_fqn, attribute)
-        params[key] = tensor  # type: ignore[assignment]
-        names_of_param[key].append(name)
-        module_of_param.setdefault(key, module_fqn)
-        unit_of_param[key].add(innermost(module_fqn))
-        if name not in plan.param_names:
-            not_kept_owned[module_fqn].append(f"{attribute} ({dtype_name(tensor.dtype)})")
-
-    owner: dict[str, str] = {}
-    replicated: list[str] = []
-    members: dict[int, list[int]] = defaultdict(list)
-    flagged: set[int] = set()
-    correct: set[int] = set()  # kept and FP32: never the parameter a mixed-dtype unit blames
-    low = dtype_name(plan.dtype)
-    for key, unit_indices in unit_of_param.items():
-        names = names_of_param[key]
-        kept = any(name in plan.param_names for name in names)
-        first = names[0]
-        dtype = params[key].dtype
-        if len(unit_indices) > 1:
-            labels = sorted(units[index].label for index in unit_indices)
-            problems.append(tied_problem(model, names, labels, dtype, kept))
-            continue
-        index = next(iter(unit_indices))
-        unit = units[index]
-        frozen_fp32 = not params[key].requires_grad and dtype == torch.float32
-        if kept and unit.kind != "kept" and frozen_fp32 and replicate_frozen:
-            for name in names:
-                owner[name] = "<replicated>"
-            replicated.append(first)
-            continue
-        for name in names:
-            owner[name] = unit.label
-        members[index].append(key)
-        if not kept:
-            continue
-        count_before = len(problems)
-        module_fqn = module_of_param[key]
-        if dtype != torch.float32:
-            problems.append(degraded_problem(first, model, module_fqn, dtype, unit.label))
-        else:
-            correct.add(key)
-        read = _read_covering(read_directly, module_fqn)
-        if read is not None and unit.kind != "kept":
-            obstacle = (reader_obstacles or {}).get(read.module_fqn)
-            problems.append(read_problem(first, read, unit.label, replicate_frozen, low, obstacle))
-        elif unit.kind == "root":
-            reader = find_read(model, module_fqn) if module_fqn else None
-            obstacle = None if module_fqn else root_obstacle
-            problems.append(root_problem(first, model, module_fqn, low, reader, obstacle))
-        elif unit.kind == "standard":
-            problems.append(mixed_problem(first, model, module_fqn, unit.label, not_kept_owned))
-        if len(problems) > count_before:
-            flagged.add(key)
-
-    problems += _mixed_dtype_problems(units, members, params, names_of_param, flagged | correct)
-    return owner, replicated, problems
+        found = _kept_problems(record, units[index], context)
+        if found or record.tensor.dtype == torch.float32:
+            exempt.add(id(record.tensor))
+        problems += found
+    problems += _mixed_dtype_problems(units, assignment.assigned, exempt)
+    return assignment.owner, assignment.replicated, problems
 
 
 def _mixed_dtype_problems(
-    units: Sequence[Unit],
-    members: dict[int, list[int]],
-    params: dict[int, nn.Parameter],
-    names_of_param: dict[int, list[str]],
-    exempt: set[int],
+    units: Sequence[Unit], assigned: Sequence[tuple[_Owned, int]], exempt: set[int]
 ) -> list[LayoutProblem]:
     """A problem for each trainable parameter of a unit of several trainable dtypes that is not
     of the unit's most common dtype, unless ``exempt`` (already refused, or kept and FP32)."""
+    members: dict[int, list[_Owned]] = defaultdict(list)
+    for record, index in assigned:
+        if record.tensor.requires_grad:
+            members[index].append(record)
     problems: list[LayoutProblem] = []
-    for index, keys in members.items():
-        trainable = [key for key in keys if params[key].requires_grad]
-        dtypes = Counter(params[key].dtype for key in trainable)
+    for index, records in members.items():
+        dtypes = Counter(record.tensor.dtype for record in records)
         if len(dtypes) < 2:
             continue
         majority = dtypes.most_common(1)[0][0]
         found = ", ".join(f"{count} {dtype_name(dtype)}" for dtype, count in dtypes.most_common())
-        for key in trainable:
-            if params[key].dtype == majority or key in exempt:
+        for record in records:
+            if record.tensor.dtype == majority or id(record.tensor) in exempt:
                 continue
             label = units[index].label
-            name = names_of_param[key][0]
-            problems.append(mixed_dtype_problem(name, params[key].dtype, label, found))
+            problems.append(mixed_dtype_problem(record.first, record.tensor.dtype, label, found))
     return problems
