@@ -12,11 +12,11 @@ Those models are built by ``create_model_from_path(..., dtype=<the policy model'
 - ``cast=reference_cast``: the model as ``create_model_from_path`` hands it over
   (``from_pretrained``'s storage). DPO's and GRPO's reference model keeps ``requires_grad``
   (trl runs it under ``torch.no_grad()``).
-- The teacher of ``SDFTTrainer``/``SDPOTrainer`` is frozen before ``prepare_fsdp``
-  (``requires_grad_(False)``, ``eval()``: :func:`freeze`). Freeze it in the contract's
-  ``model_factory`` (``lambda: freeze(build())``), not in ``cast``: the contract compares with
-  the unsharded model the factory builds, so that one must be frozen too; it then judges the
-  model forward only, and its report says what was not judged.
+- ``cast=teacher_cast``: the teacher of ``SDFTTrainer``/``SDPOTrainer``, the same storage,
+  frozen by trl before ``prepare_fsdp`` (``requires_grad_(False)``, ``eval()``: :func:`freeze`),
+  in the cast as trl does it. The contract's reference follows what the implementation's
+  ``cast`` and ``shard`` freeze, so it judges the teacher forward only, and its report says
+  what was not judged.
 - ``shard=trl_shard``: ``prepare_fsdp(model, accelerator)`` with an accelerator configured for FSDP2
   (:func:`examples.frameworks.accelerate_fsdp2.make_accelerator`, which also says what running
   accelerate on CPU needs).
@@ -57,6 +57,12 @@ def reference_cast(model: nn.Module, dtype: torch.dtype, plan: KeepPlan) -> None
     """The contract's ``cast``: the reference model as ``create_model_from_path(...,
     dtype=dtype)`` hands it over (kept tensors FP32, the rest ``dtype``), still trainable."""
     keep_aware_cast(model, dtype, plan=plan)
+
+
+def teacher_cast(model: nn.Module, dtype: torch.dtype, plan: KeepPlan) -> None:
+    """The contract's ``cast`` for the SDFT/SDPO teacher: frozen as trl freezes it
+    (:func:`freeze`), stored as ``create_model_from_path(..., dtype=dtype)`` hands it over."""
+    keep_aware_cast(freeze(model), dtype, plan=plan)
 
 
 def freeze(model: nn.Module) -> nn.Module:

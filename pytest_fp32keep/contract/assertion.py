@@ -10,7 +10,8 @@ checks every item of the contract in ``docs/contract.md``:
 
 * ``stored``: every kept tensor's local shard (or buffer) is FP32; every other tensor is stored
   exactly as the reference stores it, or, under ``master_dtype=torch.float32`` (FP32 master
-  weights, :mod:`.master`), every trainable parameter in FP32;
+  weights, :mod:`.master`), every trainable parameter in FP32 (buffers and frozen parameters
+  in ``dtype`` or FP32: the reference follows the implementation, :mod:`.follow`);
 * ``materialized``: kept parameters are all-gathered in FP32; the others in what plain FSDP2
   gives them (the policy's ``param_dtype``);
 * ``boundary``: the activation input/output dtypes of every kept module (and, when the policy does
@@ -146,7 +147,9 @@ def assert_fp32_keep_contract(
         master_dtype: the storage convention judged: ``None`` (parameters the plan does not
             keep stored in ``dtype``) or ``torch.float32`` (FP32 master weights: every
             trainable parameter stored in FP32, the policy's ``param_dtype`` casts for compute;
-            gradients are expected in FP32). Kept tensors are judged the same way under both.
+            gradients are expected in FP32; buffers and frozen parameters the plan does not
+            keep in ``dtype`` or FP32, as the implementation stores them). Kept tensors are
+            judged the same way under both.
         measure_spread: run the parity control, twice, whatever the gradients, and report how
             far its two runs differ (``docs/contract.md``, "Determinism"); a diagnostic (CI's
             GPU check), never needed for a verdict: the control runs twice by itself wherever
@@ -162,9 +165,10 @@ def assert_fp32_keep_contract(
             gradients are the reference's times ``world_size / gradient_divide_factor`` and the
             control's units get the same factor (:mod:`.scale`).
 
-    A model with no parameter that requires a gradient (a frozen reference or teacher model) is
-    judged forward only: no backward runs, and the report's notes say that gradients were not
-    judged.
+    The reference follows which parameters train as ``cast`` and ``shard`` leave them
+    (:mod:`~pytest_fp32keep.contract.follow`). A model with no parameter that requires a
+    gradient (a frozen reference or teacher model) is judged forward only: no backward runs,
+    and the report's notes say that gradients were not judged.
 
     Every forward and backward (the reference's, the implementation's, the control's) runs with
     ``torch.use_deterministic_algorithms(True, warn_only=True)``, the caller's setting restored

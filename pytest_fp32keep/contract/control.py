@@ -43,6 +43,7 @@ from fp32keep import (
     register_gathered_methods,
 )
 from pytest_fp32keep.contract.determinism import second_run_reason
+from pytest_fp32keep.contract.follow import Choices, cast_following
 from pytest_fp32keep.contract.fsdp_state import fsdp_units
 from pytest_fp32keep.contract.parity_policy import ControlMeasure, control_errors, control_spread
 from pytest_fp32keep.contract.policy import correct_policy
@@ -359,19 +360,26 @@ def control_run(
     seed: int,
     observed: ParameterUse | None = None,
     divide_factor: float | None = None,
+    choices: Choices | None = None,
 ) -> Run:
     """One run of the control: the model built under ``seed``, cast the correct way for
     ``master_dtype``, sharded into ``units`` with :func:`correct_policy`, run on ``batch``
     (deterministic algorithms on, as every run of the contract; ``observed``: what the
     reference's forward used, for the methods each unit is gathered around; ``divide_factor``:
-    the gradient divide factor the caller declared, given to every unit, :mod:`.scale`)."""
+    the gradient divide factor the caller declared, given to every unit, :mod:`.scale`;
+    ``choices``: what the implementation chose where the contract allows either, which the
+    control follows as the reference does, :mod:`.follow`)."""
     device = device_of(mesh)
     with seeded(seed):
         model = model_factory().to(device)
-    if master_dtype is None:
-        fp32keep.keep_aware_cast(model, dtype, plan=plan)
-    else:
-        master_cast(model, dtype, plan)
+
+    def cast(model: nn.Module) -> None:
+        if master_dtype is None:
+            fp32keep.keep_aware_cast(model, dtype, plan=plan)
+        else:
+            master_cast(model, dtype, plan)
+
+    cast_following(model, choices or Choices({}, {}, frozenset()), cast)
     in_place = keeps_in_mixed_units(master_dtype, policy)
     _shard_like(
         model, units, mesh=mesh, plan=plan, policy=policy, observed=observed, in_place=in_place

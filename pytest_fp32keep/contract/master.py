@@ -4,8 +4,10 @@
 the low-precision ``dtype``, as after ``fp32keep.keep_aware_cast``. ``master_dtype=torch.float32``:
 FP32 master weights, what accelerate, verl's default and torchtitan do: every trainable parameter
 is stored in FP32 and the FSDP2 policy's ``param_dtype`` casts it for compute; frozen parameters
-and buffers stay as under the default. Kept tensors are FP32 under both, and are judged by the
-Hugging Face contract either way.
+and buffers the plan does not keep are stored in ``dtype`` (accelerate) or FP32 (verl's
+``module.to(torch.float32)``), whichever the implementation chose (:mod:`.follow`: the reference
+makes the same choice before :func:`expected_storage` reads it). Kept tensors are FP32 under
+both, and are judged by the Hugging Face contract either way.
 
 The unsharded reference is cast keep-aware to ``dtype`` under both conventions, then holds each
 parameter in the dtype it computes in (:mod:`.policy`): a correct FSDP2 run all-gathers

@@ -41,6 +41,13 @@ from pytest_fp32keep.contract.control import (
     measure_control,
     unit_layout,
 )
+from pytest_fp32keep.contract.follow import (
+    Choices,
+    follow,
+    read_choices,
+    stored_fp32,
+    values_of,
+)
 from pytest_fp32keep.contract.master import expected_storage
 from pytest_fp32keep.contract.parity_policy import ControlMeasure
 from pytest_fp32keep.contract.policy import cast_for_compute, expected_grads, unit_casts
@@ -134,6 +141,7 @@ class Steps:
     used: fp32keep.ParameterUse | None = None  # what the reference's forward used, and where
     storage: dict[str, torch.dtype] = dataclasses.field(default_factory=dict)
     units: tuple[Unit, ...] = ()  # the implementation's FSDP2 units, read after `shard`
+    choices: Choices | None = None  # what the reference follows (:mod:`.follow`)
 
     def __post_init__(self) -> None:
         # what the convention stores, from the reference and the plan: never from the model
@@ -187,6 +195,9 @@ class Steps:
         s, m = self.setup, self.models
         if self.agreement.runs("cast"):
             self.agreement.step("cast", lambda: s.cast(m.model, s.dtype, m.plan))
+        candidates = frozenset[str]()
+        if self.agreement.runs("shard"):  # the storage chosen by the cast, before sharding
+            candidates = stored_fp32(m.model, m.reference, m.plan, s.dtype)
         sharded = False
         if self.agreement.runs("shard"):
 
@@ -199,6 +210,8 @@ class Steps:
 
             self.agreement.step("shard", shard)
             sharded = not self.agreement.crashed or self.agreement.crashes[0].step != "shard"
+        if sharded:
+            self.agreement.step("reference", lambda: self._follow(candidates))
         checkpoint = m.checkpoint
         if checkpoint is not None and self.agreement.runs("load"):
             trip, _ = self.agreement.step(
@@ -210,6 +223,21 @@ class Steps:
             self.findings += trip or []
         if sharded:  # at rest after cast, shard and load
             self.findings += check_stored(m.model, self.storage, m.plan)
+
+    def _follow(self, candidates: frozenset[str]) -> None:
+        """The reference follows what the implementation chose where the contract allows
+        either (:mod:`.follow`); the storage the rows expect is read off it again."""
+        s, m = self.setup, self.models
+        master = s.master_dtype is not None
+        choices = read_choices(m.model, m.reference, candidates, master)
+        values: dict[str, torch.Tensor] = {}
+        if choices.fp32:  # their values as built and loaded, never rounded through `dtype`
+            with seeded(s.seed):
+                values = values_of(m.factory().to(m.device), choices.fp32)
+        self.notes += choices.notes(m.reference)
+        follow(m.reference, choices, values)
+        self.choices = choices
+        self.storage = expected_storage(m.reference, m.plan, s.master_dtype)
 
     def run_reference(self) -> None:
         """``reference``, second part: the reference's forward and backward under the caller's
@@ -281,6 +309,7 @@ class Steps:
                 seed=s.seed,
                 observed=self.used,
                 divide_factor=s.gradient_divide_factor,
+                choices=self.choices,
             )
             return measure_control(
                 run,

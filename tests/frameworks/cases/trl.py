@@ -4,15 +4,13 @@ shards them with, on the same models."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from examples.frameworks.trl_fsdp2 import freeze, reference_cast, trl_policy, trl_shard
-from pytest_fp32keep import ContractReport, assert_fp32_keep_contract
-from pytest_fp32keep.check.zoo import ZOO
+from examples.frameworks.trl_fsdp2 import reference_cast, teacher_cast, trl_policy, trl_shard
+from pytest_fp32keep import ContractReport
 from tests.frameworks.harness import (
     ADAPTERS,
     Cause,
@@ -25,9 +23,8 @@ from tests.frameworks.harness import (
 
 _ADAPTER = f"{ADAPTERS}.trl_fsdp2"
 _POLICY_OPTION = f"--policy {_ADAPTER}:trl_policy"
-_PLUGGED = (
-    f"--cast {_ADAPTER}:reference_cast --shard {_ADAPTER}:trl_shard --load none {_POLICY_OPTION}"
-)
+_TRL_SHARD = f"--shard {_ADAPTER}:trl_shard --load none {_POLICY_OPTION}"
+_TEACHER_CAST = f"--cast {_ADAPTER}:teacher_cast"
 _UTILS = "trl/models/utils.py"
 _ONE_UNIT = Source(
     _UTILS,
@@ -84,30 +81,14 @@ _TEACHER_CAUSES = {
 _TEACHER_ROWS = frozenset({"materialized (kept)", "operators (kept)"})
 
 
-def on_frozen_zoo(
-    mesh: DeviceMesh, model: str, dtype: torch.dtype, **plugged: Any
-) -> ContractReport:
-    """:func:`~tests.frameworks.harness.on_zoo` on the zoo model frozen as trl freezes a teacher:
-    the factory freezes it, so the contract's unsharded reference is the same frozen model."""
-    entry = ZOO[model]
-    return assert_fp32_keep_contract(
-        lambda: freeze(entry.build()),
-        functools.partial(entry.make_batch, seed=0),
-        mesh=mesh,
-        dtype=dtype,
-        autocast=True,
-        **plugged,
-    )
-
-
-def _trl(contract: Any) -> Run:
+def _trl(cast: Any) -> Run:
     def run(mesh: DeviceMesh, model: str, dtype: torch.dtype) -> ContractReport:
-        return contract(
+        return on_zoo(
             mesh,
             model,
             dtype,
             mp_policy=trl_policy(dtype),
-            cast=reference_cast,
+            cast=cast,
             shard=trl_shard,
             check_state_dict=False,  # from_pretrained loads before prepare_fsdp (trl_fsdp2.py)
         )
@@ -115,16 +96,16 @@ def _trl(contract: Any) -> Run:
     return run
 
 
-def _fp32keep_under_trls_policy(contract: Any) -> Run:
+def _fp32keep_under_trls_policy(**plugged: Any) -> Run:
     def run(mesh: DeviceMesh, model: str, dtype: torch.dtype) -> ContractReport:
-        return contract(mesh, model, dtype, mp_policy=trl_policy(dtype))
+        return on_zoo(mesh, model, dtype, mp_policy=trl_policy(dtype), **plugged)
 
     return run
 
 
 _FROZEN_NOTE = (
-    "; the model frozen in the contract's factory (`requires_grad_(False)`, `eval()`), so its "
-    "reference is too: judged forward only"
+    "; frozen in the cast as trl freezes it (`requires_grad_(False)`, `eval()`), which the "
+    "contract's reference follows: judged forward only"
 )
 SETUPS = (
     Setup(
@@ -133,36 +114,36 @@ SETUPS = (
         "DPO's/GRPO's reference model: loaded in the policy model's dtype, sharded by "
         "`prepare_fsdp` (one unit, accelerate's out-of-the-box policy: param, reduce and output "
         "dtype all low precision, inputs cast); no loader of its own",
-        _trl(on_zoo),
+        _trl(reference_cast),
         {model: frozenset({"crashed (forward)"}) for model in passes_everywhere()},
         dict.fromkeys(passes_everywhere(), _REFERENCE_CAUSE),
-        _PLUGGED,
+        f"--cast {_ADAPTER}:reference_cast {_TRL_SHARD}",
     ),
     Setup(
         "trl (teacher model)",
         "trl",
         "the SDFT/SDPO teacher: the same, frozen before `prepare_fsdp`" + _FROZEN_NOTE,
-        _trl(on_frozen_zoo),
+        _trl(teacher_cast),
         dict.fromkeys(passes_everywhere(), _TEACHER_ROWS)
         | {"t5": _TEACHER_ROWS | {"boundary (kept)"}},
         _TEACHER_CAUSES,
-        _PLUGGED,  # the command line cannot freeze the model: it checks the reference model
+        f"{_TEACHER_CAST} {_TRL_SHARD}",
     ),
     Setup(
         "fp32keep under trl's policy (reference model)",
         "pytest-fp32keep",
         "the contract's defaults with the policy `prepare_fsdp` shards with (accelerate's out of "
         "the box), over `from_pretrained`'s storage: the fix passes under trl's own settings",
-        _fp32keep_under_trls_policy(on_zoo),
+        _fp32keep_under_trls_policy(),
         passes_everywhere(),
         check_options=_POLICY_OPTION,
     ),
     Setup(
         "fp32keep under trl's policy (teacher model)",
         "pytest-fp32keep",
-        "the same on the frozen model" + _FROZEN_NOTE,
-        _fp32keep_under_trls_policy(on_frozen_zoo),
+        "the same on the teacher" + _FROZEN_NOTE,
+        _fp32keep_under_trls_policy(cast=teacher_cast),
         passes_everywhere(),
-        check_options=_POLICY_OPTION,
+        check_options=f"{_TEACHER_CAST} {_POLICY_OPTION}",
     ),
 )
