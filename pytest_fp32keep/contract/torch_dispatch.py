@@ -25,9 +25,8 @@ PRIVATE_READS: tuple[str, ...] = ("torch.utils._python_dispatch.TorchDispatchMod
 
 VERIFIED_TORCH: Mapping[str, str] = MappingProxyType(
     {
-        "2.9": "2.9.1: TorchDispatchMode in its torch/utils/_python_dispatch.py; the probe, "
-        "before its import moved here, passed the torch-2.9 nox session (docs/matrix.json); this "
-        "shim's tests not yet run on it",
+        "2.9": "2.9.1: TorchDispatchMode in its torch/utils/_python_dispatch.py; "
+        "tests/test_torch_shims.py, tests/probe (2.9.1+cu128, on CPU)",
         "2.13": "2.13.0+cpu: tests/test_torch_shims.py, tests/probe",
         "2.14": "2.14.1+cu130 (run on CPU): tests/test_torch_shims.py",
         "2.15": "2.15.0+cu132: tests/test_torch_shims.py; the probe, before its import moved "

@@ -42,9 +42,8 @@ PRIVATE_READS: tuple[str, ...] = (
 VERIFIED_TORCH: Mapping[str, str] = MappingProxyType(
     {
         "2.9": "2.9.1: its distributed_c10d.py defines _world (a _World with pg_names) and "
-        "_get_default_store; tests/multirank/test_waits.py, reading the registry before it moved "
-        "here, passed the torch-2.9 nox session (docs/matrix.json; tests/plugin, where the "
-        "default store is read, was not part of it); this shim's tests not yet run on it",
+        "_get_default_store; tests/test_torch_shims.py, tests/multirank/test_waits.py, "
+        "tests/plugin/test_spmd.py (the default store) (2.9.1+cu128, on CPU)",
         "2.13": "2.13.0+cpu: tests/test_torch_shims.py, tests/multirank/test_waits.py, "
         "tests/plugin/test_spmd.py (the default store)",
         "2.14": "2.14.1+cu130 (run on CPU): tests/test_torch_shims.py, "

@@ -45,8 +45,7 @@ NCCL_ONLY: Final = frozenset({"torch._C._distributed_c10d._dump_nccl_trace_json"
 VERIFIED_TORCH: Mapping[str, str] = MappingProxyType(
     {
         "2.9": "2.9.1: _dump_fr_trace_json bound in its libtorch_python.so; "
-        "tests/multirank/test_waits.py, reading it before it moved here, passed the torch-2.9 "
-        "nox session (docs/matrix.json); this shim's tests not yet run on it",
+        "tests/test_torch_shims.py, tests/multirank/test_waits.py (2.9.1+cu128, on CPU)",
         "2.13": "2.13.0+cpu: tests/test_torch_shims.py, tests/multirank/test_waits.py",
         "2.14": "2.14.1+cu130 (run on CPU): tests/test_torch_shims.py (NCCL's dump included), "
         "tests/multirank/test_waits.py",

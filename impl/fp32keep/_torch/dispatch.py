@@ -50,8 +50,8 @@ VERIFIED_TORCH: Mapping[str, str] = MappingProxyType(
     {
         "2.9": "2.9.1: TorchDispatchMode in its torch/utils/_python_dispatch.py, "
         "_current_graph_task_id in torch/_C/__init__.pyi; these reads (Tensor._version "
-        "included), before they moved here, passed the torch-2.9 nox session (docs/matrix.json); "
-        "this shim's tests not yet run on it",
+        "included): tests/test_torch_shims.py, tests/core/test_observed_use.py, "
+        "tests/multirank/test_observed_use_fsdp2.py, test_load_meta_fsdp2.py (2.9.1+cu128, on CPU)",
         "2.13": "2.13.0+cpu: tests/test_torch_shims.py, tests/core/test_observed_use.py, "
         "tests/multirank/test_observed_use_fsdp2.py, test_load_meta_fsdp2.py",
         "2.14": "2.14.1+cu130 (run on CPU): tests/test_torch_shims.py, "

@@ -57,9 +57,8 @@ PRIVATE_READS: Mapping[str, str] = MappingProxyType(
 
 VERIFIED_TORCH: Mapping[str, str] = MappingProxyType(
     {
-        "2.9": "2.9.1: each name in its torch/nn/modules/module.py; these reads, before they "
-        "moved here, passed the torch-2.9 nox session (docs/matrix.json); this shim's tests not "
-        "yet run on it",
+        "2.9": "2.9.1: each name in its torch/nn/modules/module.py; tests/test_torch_shims.py, "
+        "tests/core/test_observed_use.py, the meta loads of tests/multirank (2.9.1+cu128, on CPU)",
         "2.13": "2.13.0+cpu: tests/test_torch_shims.py, tests/core (the cast, the plan's tensor "
         "slots, the source reader, observe), the meta loads of tests/multirank",
         "2.14": "2.14.1+cu130 (run on CPU): tests/test_torch_shims.py, "
