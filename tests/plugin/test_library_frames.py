@@ -14,6 +14,8 @@ The inner sessions here start no rank (plain tests); the multi-rank refusal is r
 
 from __future__ import annotations
 
+import ast
+import importlib
 import pkgutil
 from pathlib import Path
 
@@ -84,12 +86,21 @@ def test_a_bug_inside_the_library_still_shows_its_frames(output: str) -> None:
 
 def test_every_fp32keep_module_hides_its_frames_for_its_own_errors() -> None:
     folder = Path(fp32keep.__file__).parent
-    for module in pkgutil.iter_modules([str(folder)]):
+    modules = list(pkgutil.walk_packages([str(folder)], prefix="fp32keep."))
+    assert any(module.name == "fp32keep.layout.planning" for module in modules)  # subpackages read
+    for module in modules:
+        imported = importlib.import_module(module.name)
+        if module.ispkg:  # a subpackage's __init__ only says what it holds: no frame of its own
+            source = Path(imported.__file__ or "").read_text(encoding="utf-8")
+            assert not any(
+                isinstance(node, ast.FunctionDef | ast.ClassDef | ast.Import | ast.ImportFrom)
+                for node in ast.parse(source).body
+            ), f"{module.name}/__init__.py holds code: give it __tracebackhide__"
+            continue
         # the exceptions themselves, and the reprs their messages use (imported by errors, so it
         # cannot import the hook back): no frame of theirs raises through them
-        if module.name in {"errors", "reprs"}:
+        if module.name in {"fp32keep.errors", "fp32keep.reprs"}:
             continue
-        imported = __import__(f"fp32keep.{module.name}", fromlist=["_"])
         assert getattr(imported, "__tracebackhide__", None) is hidden_in_tracebacks, module.name
     # what the hook decides: fp32keep's errors hidden, anything else shown
     try:

@@ -7,7 +7,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from fp32keep.errors import hidden_in_tracebacks
 from fp32keep.frozen import FrozenMapping
+
+#: pytest hides this module's frames from a test's traceback when the error is fp32keep's own.
+__tracebackhide__ = hidden_in_tracebacks
 
 UnitKind = Literal["kept", "standard", "root"]
 
