@@ -25,6 +25,7 @@ import fp32keep
 from fp32keep.uses.source import find_direct_read, unseen_uses
 from pytest_fp32keep.check.families import entries
 from pytest_fp32keep.check.families.batches import family_batch
+from pytest_fp32keep.check.families.discovery import FamilyError
 
 BF16 = torch.bfloat16
 
@@ -45,8 +46,15 @@ def requires(family: str) -> pytest.MarkDecorator:
 def built(
     family: str, dtype: torch.dtype = BF16
 ) -> tuple[nn.Module, fp32keep.KeepPlan, dict[str, Any]]:
-    """The family's tiny model cast for ``dtype``, its plan, and its own batch."""
-    model = entries.build_family_model(family)
+    """The family's tiny model cast for ``dtype``, its plan, and its own batch; skipped, naming
+    the installed Transformers, where that release's family keeps nothing (MusicGen on 4.56,
+    whose config does not hold a T5 encoder that keeps ``wo``)."""
+    try:
+        model = entries.build_family_model(family)
+    except FamilyError as error:
+        if "keeps a tensor" not in str(error):
+            raise
+        pytest.skip(f"transformers {_installed()}: {error}")
     plan = fp32keep.resolve_keep_plan(model, dtype)
     fp32keep.keep_aware_cast(model, dtype, plan=plan)
     return model, plan, family_batch(model, 0)

@@ -26,7 +26,7 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 def _built() -> tuple[nn.Module, nn.Module, fp32keep.KeepPlan]:
     """A kept-``wo`` toy with a not-kept and a kept buffer; its keep-aware bf16 reference."""
     torch.manual_seed(0)
-    model = stack_class(strict=["wo", "scale"])()
+    model = stack_class(strict=["wo"])()
     model.layers[0].register_buffer("table", torch.randn(4) / 3)  # not kept
     model.layers[1].wo.register_buffer("scale", torch.randn(4) / 3)  # kept (its module's)
     model.layers[1].requires_grad_(False)  # frozen by the factory
