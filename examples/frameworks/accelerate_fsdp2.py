@@ -48,6 +48,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from examples.frameworks.meshes import require_world_mesh
 from fp32keep import KeepPlan, WrapSpec, keep_aware_cast, keep_policy
 
 MIXED_PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -114,18 +115,6 @@ def make_accelerator(mp_policy: MixedPrecisionPolicy) -> Accelerator:
     for name in _ENV_SET_BY_ACCELERATOR:
         os.environ.pop(name, None)
     return accelerator
-
-
-def require_world_mesh(mesh: DeviceMesh, shard: str) -> None:
-    """Refuse (naming ``shard``) a mesh other than a 1-D one over every rank: without a
-    ``ParallelismConfig`` accelerate (and trl) pass ``mesh=None`` to ``fully_shard``, whose
-    default mesh spans the whole world, so the contract's mesh must too."""
-    world = torch.distributed.get_world_size()
-    if mesh.ndim != 1 or mesh.size() != world:
-        raise ValueError(
-            f"{shard} needs a 1-D mesh over all {world} ranks (it shards on fully_shard's "
-            f"default mesh); got a mesh of shape {tuple(mesh.shape)}"
-        )
 
 
 _ACCELERATORS: dict[int, Accelerator] = {}

@@ -65,8 +65,8 @@ from torch.overrides import TorchFunctionMode
 from examples.frameworks.accelerate_fsdp2 import (
     accelerate_policy,
     make_accelerator,
-    require_world_mesh,
 )
+from examples.frameworks.meshes import require_world_mesh
 from fp32keep import KeepPlan, WrapSpec, keep_aware_cast
 
 

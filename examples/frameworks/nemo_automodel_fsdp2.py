@@ -64,6 +64,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from examples.frameworks.meshes import require_world_mesh
 from fp32keep import KeepPlan, WrapSpec, keep_aware_cast, keep_policy
 
 
@@ -133,12 +134,9 @@ def nemo_shard_as_installed(
 ) -> None:
     """The contract's ``shard``: nemo-automodel's ``parallelize_model`` as installed, in place
     (on torch 2.15 it raises before sharding; :func:`nemo_shard` gets past that)."""
-    world = torch.distributed.get_world_size()
-    if mesh.ndim != 1 or mesh.size() != world:
-        raise ValueError(
-            f"nemo_shard needs a 1-D mesh over all {world} ranks (nemo-automodel shards on its "
-            f"own dp_shard axis over every rank); got a mesh of shape {tuple(mesh.shape)}"
-        )
+    require_world_mesh(
+        mesh, "nemo_shard", "nemo-automodel shards on its own dp_shard axis over every rank"
+    )
     sharded = parallelize_model(model, mesh_context(mp_policy))
     if sharded is not model:
         raise RuntimeError("parallelize_model returned a new module; the contract shards in place")

@@ -34,6 +34,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers.distributed import DistributedConfig
 from transformers.distributed.fsdp import _get_fsdp_policy_kwargs
 
+from examples.frameworks.meshes import require_world_mesh
 from fp32keep import KeepPlan, WrapSpec
 
 
@@ -68,12 +69,10 @@ def transformers_shard(
             f"transformers_shard shards with Transformers' own policy {expected}; pass "
             f"mp_policy=transformers_policy() to the contract (got {mp_policy})"
         )
+    require_world_mesh(
+        mesh, "transformers_shard", "Transformers builds its own meshes over the world"
+    )
     world = torch.distributed.get_world_size()
-    if mesh.ndim != 1 or mesh.size() != world:
-        raise ValueError(
-            f"transformers_shard needs a 1-D mesh over all {world} ranks (Transformers builds "
-            f"its own meshes over the world); got a mesh of shape {tuple(mesh.shape)}"
-        )
     # from_pretrained builds the model without initialising (or tying) weights, shards it, loads,
     # and ties last (`_finalize_model_loading`): untie first, so the tied embedding is sharded as
     # from_pretrained shards it, and tie again the same way afterwards.

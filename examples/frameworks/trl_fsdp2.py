@@ -42,8 +42,8 @@ from trl.models.utils import prepare_fsdp
 from examples.frameworks.accelerate_fsdp2 import (
     accelerate_policy,
     make_accelerator,
-    require_world_mesh,
 )
+from examples.frameworks.meshes import require_world_mesh
 from fp32keep import KeepPlan, WrapSpec, keep_aware_cast
 
 
@@ -83,7 +83,7 @@ def trl_shard(
     """The contract's ``shard``: trl's ``prepare_fsdp``, in place, with an accelerator whose FSDP2
     plugin carries ``mp_policy``. ``plan`` and ``wrap`` are ignored: trl shards the whole model
     as one unit; that is what the contract judges. The mesh must span every rank
-    (:func:`~examples.frameworks.accelerate_fsdp2.require_world_mesh`).
+    (:func:`~examples.frameworks.meshes.require_world_mesh`).
     """
     require_world_mesh(mesh, "trl_shard")
     prepared = prepare_fsdp(model, make_accelerator(mp_policy))
