@@ -285,6 +285,7 @@ class _Owned:
     names: list[str]
     module_fqn: str
     units: set[int] = field(default_factory=set)
+    kept: bool = False  # the plan keeps one of its names
 
     @property
     def first(self) -> str:
@@ -318,13 +319,14 @@ def _inventory(
         record = owned.setdefault(id(tensor), _Owned(parameter, [], module_fqn))
         record.names.append(name)
         record.units.add(innermost(module_fqn))
+        record.kept = record.kept or name in plan.param_names
         if name not in plan.param_names:
             not_kept_owned[module_fqn].append(f"{attribute} ({dtype_name(tensor.dtype)})")
     return list(owned.values()), not_kept_owned
 
 
 def _assign(
-    owned: Sequence[_Owned], units: Sequence[Unit], plan: KeepPlan, *, replicate_frozen: bool
+    owned: Sequence[_Owned], units: Sequence[Unit], *, replicate_frozen: bool
 ) -> _Assignment:
     """Give each parameter its one unit; a kept, frozen FP32 one outside a kept unit is
     replicated instead where torch can leave it out of FSDP2."""
@@ -334,9 +336,8 @@ def _assign(
             done.claimed_twice.append(record)
             continue
         index = next(iter(record.units))
-        kept = any(name in plan.param_names for name in record.names)
         frozen_fp32 = not record.tensor.requires_grad and record.tensor.dtype == torch.float32
-        if kept and units[index].kind != "kept" and frozen_fp32 and replicate_frozen:
+        if record.kept and units[index].kind != "kept" and frozen_fp32 and replicate_frozen:
             done.owner.update(dict.fromkeys(record.names, "<replicated>"))
             done.replicated.append(record.first)
             continue
@@ -406,7 +407,7 @@ def _assign_and_validate(
     root-owned kept parameter's module.
     """
     owned, not_kept_owned = _inventory(model, plan, innermost)
-    assignment = _assign(owned, units, plan, replicate_frozen=replicate_frozen)
+    assignment = _assign(owned, units, replicate_frozen=replicate_frozen)
     context = _KeptContext(
         model,
         plan,
@@ -419,12 +420,11 @@ def _assign_and_validate(
     )
     problems: list[LayoutProblem] = []
     for record in assignment.claimed_twice:
-        kept = any(name in plan.param_names for name in record.names)
         labels = sorted(units[index].label for index in record.units)
-        problems.append(tied_problem(model, record.names, labels, record.tensor.dtype, kept))
+        problems.append(tied_problem(model, record.names, labels, record.tensor.dtype, record.kept))
     exempt: set[int] = set()  # already refused, or kept and FP32: never blamed for mixing
     for record, index in assignment.assigned:
-        if not any(name in plan.param_names for name in record.names):
+        if not record.kept:
             continue
         found = _kept_problems(record, units[index], context)
         if found or record.tensor.dtype == torch.float32:
